@@ -1,0 +1,109 @@
+"""Flat-buffer collectives: pack -> all-gather -> unpack; pack -> reduce-scatter (-> all-reduce).
+
+See design/data-path.md. A group's tensors are laid out by ``layout.FlatLayout``: every rank owns one
+segment of ``shard_numel`` elements, each tensor's padded shard at a fixed offset inside it. The
+all-gather is in place (this rank's segment of the output is the input), so an unshard allocates one
+buffer; copy-out is one ``split_with_sizes_copy`` into the unsharded parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .layout import FlatLayout
+from .param import ShardedParam
+
+AVG: dist.ReduceOp = dist.ReduceOp.AVG  # type: ignore[assignment]  # NCCL and gloo both average
+
+
+def _all_gather_fn():  # torch >= 2.13 renamed all_gather_into_tensor to all_gather_single
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_fn():
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_copy_in(params: Sequence[ShardedParam], flat: FlatLayout, rank: int, dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor:
+    """Allocate the gathered buffer and write this rank's padded shards (cast to ``dtype``) into
+    its own segment. Returns the whole ``world * shard_numel`` buffer."""
+    out = torch.empty(flat.total_numel, dtype=dtype, device=device)
+    segment = out.narrow(0, rank * flat.shard_numel, flat.shard_numel)
+    parts = [part for p in params for part in p.copy_in_parts()]
+    if parts and parts[0].device != device:  # CPU offload: shards live on the host
+        parts = [part.to(device, non_blocking=True) for part in parts]
+    if parts:
+        torch.cat(parts, out=segment)
+    return out
+
+
+def all_gather(out: torch.Tensor, flat: FlatLayout, rank: int, group: dist.ProcessGroup,
+               async_op: bool) -> dist.Work | None:
+    """In-place all-gather of this rank's segment of ``out`` into the whole of ``out``."""
+    segment = out.narrow(0, rank * flat.shard_numel, flat.shard_numel)
+    return _all_gather_fn()(out, segment, group=group, async_op=async_op)
+
+
+def all_gather_copy_out(out: torch.Tensor, params: Sequence[ShardedParam], flat: FlatLayout) -> None:
+    """Scatter the gathered buffer into each parameter's (padded) unsharded storage: one op."""
+    world = flat.world
+    rows = out.view(world, flat.shard_numel)
+    outs = [rows.new_empty((world, size)) if p.layout.replicated else p.unsharded_write.view(world, size)
+            for p, size in zip(params, flat.sizes)]
+    if outs:
+        torch.split_with_sizes_copy(rows, list(flat.sizes), dim=1, out=outs)
+    for p, dst in zip(params, outs):
+        if p.layout.replicated:  # every rank's slot holds the same value: take rank 0's
+            p.unsharded_write.copy_(dst[0])
+
+
+def partial_shard_copy_in(params: Sequence[ShardedParam], flat: FlatLayout, sub_rank: int,
+                          sub_world: int) -> torch.Tensor:
+    """The block of the gathered buffer a rank keeps after a partial reshard: segments
+    ``[sub_rank * W/k, (sub_rank + 1) * W/k)``, rebuilt from the unsharded params (one cat)."""
+    world = flat.world
+    per = world // sub_world
+    rows = slice(sub_rank * per, (sub_rank + 1) * per)
+    parts = [p.unsharded_write.view(1, 1).expand(per, 1) if p.layout.replicated
+             else p.unsharded_write.view(world, size)[rows] for p, size in zip(params, flat.sizes)]
+    return torch.cat(parts, dim=1).view(-1)
+
+
+def reduce_scatter_copy_in(grads: Sequence[torch.Tensor | None], params: Sequence[ShardedParam],
+                           flat: FlatLayout, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Pack unsharded grads into a ``(world, shard_numel)`` buffer of ``dtype``; row r goes to rank r.
+
+    Missing grads and padding are zeros. A replicated (0-dim) parameter's grad is written into every
+    rank's row, so the reduce-scatter sums it over ranks like an all-reduce would.
+    """
+    world = flat.world
+    buf = torch.zeros(world, flat.shard_numel, dtype=dtype, device=device)
+    for grad, p, offset, size in zip(grads, params, flat.offsets, flat.sizes):
+        if grad is None:
+            continue
+        if p.layout.replicated:
+            buf[:, offset].copy_(grad.reshape(()))
+            continue
+        src = grad.reshape(-1)
+        full_rows, rem = divmod(src.numel(), size) if size else (0, 0)
+        dst = buf[:, offset:offset + size]
+        if full_rows:
+            dst[:full_rows].copy_(src[:full_rows * size].view(full_rows, size))
+        if rem:
+            dst[full_rows, :rem].copy_(src[full_rows * size:])
+    return buf.view(-1)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp,
+                   async_op: bool) -> dist.Work | None:
+    return _reduce_scatter_fn()(out, inp, op=op, group=group, async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp,
+               async_op: bool) -> dist.Work | None:
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+

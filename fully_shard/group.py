@@ -1,0 +1,300 @@
+"""ParamGroup: the unit of communication (one fully_shard call); unshard, reshard and reduce.
+
+See design/param-lifecycle.md for the state machine and design/data-path.md for the buffers:
+
+    SHARDED --unshard()--> UNSHARDING --wait_for_unshard()--> UNSHARDED
+       ^                                                          |
+       +------------------- reshard() ---------------------------+
+       |                                                          | reshard(partial=True)
+       +--- reshard() --- PARTIALLY_SHARDED <---------------------+   (reshard_after_forward=k)
+                               |  unshard() gathers within the k-rank subgroup
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import collectives, trace
+from .layout import FlatLayout
+from .param import MeshInfo, ShardedParam
+from .policy import MixedPrecisionPolicy
+from .streams import CommContext, Pending
+
+
+class GroupState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDING = "unsharding"  # all-gather issued, not yet waited
+    UNSHARDED = "unsharded"
+    PARTIALLY_SHARDED = "partially_sharded"  # sharded over a k-rank subgroup after forward
+
+
+@dataclass(frozen=True)
+class SubgroupInfo:
+    """The k-rank subgroup a partially resharded group gathers in (reshard_after_forward=k)."""
+
+    group: dist.ProcessGroup
+    rank: int
+    world: int
+
+
+@dataclass
+class _PendingReduce:
+    output: torch.Tensor  # this rank's reduced flat shard (reduce dtype)
+    pending: Pending
+    needs_all_reduce: bool
+    cpu_input: torch.Tensor | None  # CPU: kept alive until the async work is waited
+
+
+class ParamGroup:
+    """All managed parameters of one fully_shard call, communicated together."""
+
+    def __init__(self, params: list[ShardedParam], fqn: str, mesh_info: MeshInfo, device: torch.device,
+                 mp_policy: MixedPrecisionPolicy, subgroup: SubgroupInfo | None) -> None:
+        self.params = params
+        self.fqn = fqn
+        self.mesh_info = mesh_info
+        self.device = device
+        self.mp_policy = mp_policy
+        self.subgroup = subgroup
+        self.flat = FlatLayout(tuple(p.layout for p in params))
+        self.state = GroupState.SHARDED
+        self.comm: CommContext = CommContext(device)  # replaced by the root's at lazy init
+        self.phase = trace.Phase.EXPLICIT
+        self._pending_unshard: tuple[torch.Tensor, Pending, trace.Event | None] | None = None
+        self._partial_shard: torch.Tensor | None = None
+        self._pending_reduces: list[_PendingReduce] = []
+        self._partial_reduce_output: torch.Tensor | None = None  # HSDP without all-reduce
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.reshard_after_backward = True
+        self._check_dtypes()
+
+    # --- dtypes ---------------------------------------------------------------------------------
+    def _check_dtypes(self) -> None:
+        if self.mp_policy.param_dtype is not None or not self.params:
+            return
+        dtypes = {p.orig_dtype for p in self.params}
+        if len(dtypes) > 1:
+            found = ", ".join(f"{p.fqn}: {p.orig_dtype}" for p in self.params)
+            raise ValueError(
+                f"fully_shard({self.fqn or '<root>'}) groups parameters of several dtypes ({found}); one "
+                "all-gather moves one dtype. Fix: pass mp_policy=MixedPrecisionPolicy(param_dtype=...) "
+                "or shard the differing submodules in their own fully_shard calls.")
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.mp_policy.param_dtype or self.params[0].orig_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return self.mp_policy.reduce_dtype or self.param_dtype
+
+    @property
+    def grad_params(self) -> list[ShardedParam]:
+        return [p for p in self.params if p.requires_grad]
+
+    @property
+    def unsharded_nbytes(self) -> int:
+        """Bytes of the gathered buffer at ``param_dtype`` (padding included)."""
+        return self.flat.total_numel * self.param_dtype.itemsize
+
+    # --- state machine ---------------------------------------------------------------------------
+    def _transition(self, expected: set[GroupState], new: GroupState, action: str) -> None:
+        if self.state not in expected:
+            names = " or ".join(sorted(s.name for s in expected))
+            raise RuntimeError(f"fully_shard unit {self.fqn or '<root>'}: cannot {action}: expected state "
+                               f"{names}, found {self.state.name}")
+        self.state = new
+
+    def _emit(self, kind: trace.EventKind, **kw: object) -> trace.Event | None:
+        if not trace.enabled():
+            return None
+        event = trace.Event(kind, self.fqn, self.phase, **kw)  # type: ignore[arg-type]
+        trace.emit(event)
+        return event
+
+    # --- unshard -------------------------------------------------------------------------------
+    def lazy_init(self) -> None:
+        for p in self.params:
+            p.adopt_module_param()
+            p.init_unsharded(self.param_dtype, self.device)
+        self._check_dtypes()
+
+    def unshard(self, *, prefetch: bool = False) -> None:
+        """Issue the all-gather (asynchronously); ``wait_for_unshard`` makes the params usable."""
+        if self.state in (GroupState.UNSHARDED, GroupState.UNSHARDING) or not self.params:
+            return
+        partial = self.state is GroupState.PARTIALLY_SHARDED
+        self._transition({GroupState.SHARDED, GroupState.PARTIALLY_SHARDED}, GroupState.UNSHARDING, "unshard")
+        ctx = self.comm
+        rank = self.mesh_info.shard_rank
+        with torch.no_grad():
+            current = ctx.current_stream()
+            copy_in_stream = ctx.stream("all_gather_copy_in")
+            ctx.wait_stream(copy_in_stream, current)  # shards may have just been updated by the optimizer
+            with ctx.on(copy_in_stream):
+                ctx.release_all_gather_buffer()
+                if partial:
+                    assert self.subgroup is not None and self._partial_shard is not None
+                    out = torch.empty(self.flat.total_numel, dtype=self.param_dtype, device=self.device)
+                    block = self._partial_shard.numel()
+                    out.narrow(0, self.subgroup.rank * block, block).copy_(self._partial_shard)
+                    self._partial_shard = None
+                else:
+                    out = collectives.all_gather_copy_in(self.params, self.flat, rank, self.param_dtype,
+                                                         self.device)
+            ctx.wait_stream(ctx.stream("all_gather"), copy_in_stream)
+            if partial:
+                assert self.subgroup is not None
+                sub = self.subgroup
+                block = out.numel() // sub.world
+                segment = out.narrow(0, sub.rank * block, block)
+                fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+                pending = ctx.issue("all_gather", lambda a: fn(out, segment, group=sub.group, async_op=a))
+                group_size = sub.world
+            else:
+                pending = ctx.issue("all_gather", lambda a: collectives.all_gather(
+                    out, self.flat, rank, self.mesh_info.shard_group, a))
+                group_size = self.mesh_info.shard_world
+        event = self._emit(trace.EventKind.ALL_GATHER, nbytes=out.numel() * out.element_size(),
+                           group_size=group_size, prefetch=prefetch)
+        self._pending_unshard = (out, pending, event)
+
+    def wait_for_unshard(self) -> None:
+        """Finish the all-gather, copy out into the unsharded params and register them."""
+        if self.state is GroupState.UNSHARDED or not self.params:
+            return
+        if self.state is not GroupState.UNSHARDING:
+            self.unshard()
+        assert self._pending_unshard is not None
+        out, pending, event = self._pending_unshard
+        self._pending_unshard = None
+        t0 = time.perf_counter()
+        pending.wait(self.comm)
+        exposed = time.perf_counter() - t0
+        if event is not None:
+            event.t_end = time.perf_counter()
+            event.exposed_s = exposed
+        with torch.no_grad():
+            for p in self.params:
+                p.alloc_unsharded()
+            collectives.all_gather_copy_out(out, self.params, self.flat)
+        self.comm.hold_all_gather_buffer(out)
+        for p in self.params:
+            p.register_unsharded()
+        self._transition({GroupState.UNSHARDING}, GroupState.UNSHARDED, "finish unshard")
+        self._emit(trace.EventKind.UNSHARD, nbytes=self.unsharded_nbytes, exposed_s=exposed)
+
+    # --- reshard -------------------------------------------------------------------------------
+    def reshard(self, *, partial: bool = False) -> None:
+        """Free the unsharded params; with ``partial`` keep this rank's k-subgroup block first."""
+        if self.state is GroupState.UNSHARDING:
+            self.wait_for_unshard()
+        if self.state is not GroupState.UNSHARDED:
+            if self.state is GroupState.PARTIALLY_SHARDED and not partial:
+                self._partial_shard = None
+                self.state = GroupState.SHARDED
+            return
+        keep = partial and self.subgroup is not None
+        if keep:
+            assert self.subgroup is not None
+            with torch.no_grad():
+                self._partial_shard = collectives.partial_shard_copy_in(
+                    self.params, self.flat, self.subgroup.rank, self.subgroup.world)
+        for p in self.params:
+            p.free_unsharded()
+            p.register_sharded()
+        new = GroupState.PARTIALLY_SHARDED if keep else GroupState.SHARDED
+        self._transition({GroupState.UNSHARDED}, new, "reshard")
+        self._emit(trace.EventKind.RESHARD, nbytes=self._partial_shard.numel() * self._partial_shard.element_size()
+                   if keep and self._partial_shard is not None else 0)
+
+    # --- gradients -----------------------------------------------------------------------------
+    def has_unsharded_grads(self) -> bool:
+        return any(p.unsharded_param is not None and p.unsharded_param.grad is not None
+                   for p in self.grad_params)
+
+    def reduce_grads(self) -> None:
+        """Post-backward: reduce-scatter the unsharded grads (or stash them when sync is off)."""
+        params = self.grad_params
+        if not params:
+            return
+        if not self.requires_gradient_sync:
+            for p in params:
+                p.stash_unsharded_grad(self.reduce_dtype)
+            return
+        grads = [p.take_unsharded_grad() for p in params]
+        if all(g is None for g in grads):
+            return
+        flat = FlatLayout(tuple(p.layout for p in params))
+        ctx = self.comm
+        with torch.no_grad():
+            ctx.release_reduce_scatter_input()
+            inp = collectives.reduce_scatter_copy_in(grads, params, flat, self.reduce_dtype, self.device)
+            del grads
+            rs_stream = ctx.stream("reduce_scatter")
+            ctx.wait_stream(rs_stream, ctx.current_stream())
+            with ctx.on(rs_stream):
+                out = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            pending = ctx.issue("reduce_scatter", lambda a: collectives.reduce_scatter(
+                out, inp, self.mesh_info.shard_group, collectives.AVG, a))
+        hsdp = self.mesh_info.replicate_group is not None
+        if ctx.accelerated:  # keep the input until its collective is done (see streams.py)
+            ctx.hold_reduce_scatter_input(inp, pending.event)
+        self._pending_reduces.append(_PendingReduce(out, pending, hsdp, None if ctx.accelerated else inp))
+        self._emit(trace.EventKind.REDUCE_SCATTER, nbytes=inp.numel() * inp.element_size(),
+                   group_size=self.mesh_info.shard_world)
+        ctx.queue_reduce(self)
+
+    def finish_reduces(self) -> None:
+        """Wait for this group's reduce-scatters (and HSDP all-reduces); assign sharded grads."""
+        if not self._pending_reduces:
+            return
+        params = self.grad_params
+        flat = FlatLayout(tuple(p.layout for p in params))
+        for item in self._pending_reduces:
+            item.pending.wait(self.comm)
+            output: torch.Tensor | None = item.output
+            if item.needs_all_reduce:
+                output = self._all_reduce_replicas(item.output)
+            if output is not None:
+                self._assign_grads(output, params, flat)
+        self._pending_reduces.clear()
+        self._emit(trace.EventKind.REDUCE_DONE)
+
+    def _all_reduce_replicas(self, output: torch.Tensor) -> torch.Tensor | None:
+        """HSDP: average the reduce-scattered shard across replicas (or keep accumulating)."""
+        if self._partial_reduce_output is not None:
+            output = output + self._partial_reduce_output
+            self._partial_reduce_output = None
+        if not self.requires_all_reduce:
+            self._partial_reduce_output = output
+            return None
+        group = self.mesh_info.replicate_group
+        assert group is not None
+        ctx = self.comm
+        ar_stream = ctx.stream("all_reduce")
+        ctx.wait_stream(ar_stream, ctx.current_stream())
+        pending = ctx.issue("all_reduce", lambda a: collectives.all_reduce(output, group, collectives.AVG, a))
+        self._emit(trace.EventKind.ALL_REDUCE, nbytes=output.numel() * output.element_size(),
+                   group_size=self.mesh_info.replicate_world)
+        pending.wait(ctx)
+        return output
+
+    def _assign_grads(self, output: torch.Tensor, params: list[ShardedParam], flat: FlatLayout) -> None:
+        rank = self.mesh_info.shard_rank
+        with torch.no_grad():
+            for p, offset in zip(params, flat.offsets):
+                local_numel = 1 if p.layout.replicated else p.layout.local_rows(rank) * p.layout.row_numel
+                local = output.narrow(0, offset, local_numel).view(p.layout.local_shape(rank))
+                p.set_sharded_grad(local)
+
+    def __repr__(self) -> str:
+        lines = [f"ParamGroup({self.fqn or '<root>'}, {self.state.name}, {len(self.params)} params)"]
+        lines += [f"  {p!r}" for p in self.params]
+        return "\n".join(lines)

@@ -1,0 +1,212 @@
+"""ShardedParam: one parameter's sharded DTensor form and its reusable unsharded form.
+
+See design/param-lifecycle.md. The sharded form is an ``nn.Parameter`` wrapping a DTensor whose local
+tensor is this rank's unpadded ``torch.chunk`` shard (placement ``Shard(0)``; ``Replicate()`` for
+0-dim parameters). The unsharded form is one ``nn.Parameter`` object kept for the module's lifetime;
+its storage is allocated on unshard and freed (resized to 0) on reshard, so autograd's saved
+references stay valid while the memory is returned between uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from .layout import DimZeroLayout
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The mesh a group shards over: a 1-D ``(shard,)`` or HSDP 2-D ``(replicate, shard)`` mesh."""
+
+    mesh: DeviceMesh
+    shard_group: dist.ProcessGroup
+    shard_rank: int
+    shard_world: int
+    replicate_group: dist.ProcessGroup | None = None
+    replicate_world: int = 1
+
+    @property
+    def sharded_placements(self) -> tuple[Placement, ...]:
+        return (Replicate(), Shard(0)) if self.mesh.ndim == 2 else (Shard(0),)
+
+    @property
+    def replicated_placements(self) -> tuple[Placement, ...]:
+        return (Replicate(),) * self.mesh.ndim
+
+    @property
+    def device(self) -> torch.device:
+        dtype = self.mesh.device_type
+        if dtype == "cpu":
+            return torch.device("cpu")
+        module = getattr(torch, dtype)
+        return torch.device(dtype, module.current_device())
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    short = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64"}
+    return short.get(dtype, str(dtype).replace("torch.", ""))
+
+
+class ShardedParam:
+    """One managed parameter: owns its sharded DTensor and its unsharded storage."""
+
+    def __init__(self, module: nn.Module, name: str, fqn: str, param: nn.Parameter, mesh_info: MeshInfo,
+                 storage_device: torch.device) -> None:
+        self.module = module
+        self.name = name
+        self.slots: list[tuple[nn.Module, str]] = [(module, name)]  # every (module, attr) holding it
+        self.fqn = fqn
+        self.mesh_info = mesh_info
+        self.storage_device = storage_device  # where the shard lives (CPU under offload)
+        self.requires_grad = param.requires_grad
+        self.global_shape = tuple(param.shape)
+        self.layout = DimZeroLayout(self.global_shape, mesh_info.shard_world)
+        self.unsharded_param: nn.Parameter | None = None
+        self._unsharded_padded: torch.Tensor | None = None  # owns the unsharded storage
+        self._unsharded_write: torch.Tensor | None = None  # same storage, own version counter
+        self.unsharded_accumulated_grad: torch.Tensor | None = None  # no-sync accumulation
+        self.sharded_param: DTensor = self._make_sharded(param)  # an nn.Parameter wrapping a DTensor
+
+    # --- sharded form -------------------------------------------------------------------------
+    def _make_sharded(self, param: torch.Tensor) -> DTensor:
+        data = param.detach()
+        if isinstance(data, DTensor):
+            data = data.full_tensor()
+        start, end = self.layout.row_range(self.mesh_info.shard_rank)
+        local = data if self.layout.replicated else data[start:end]
+        local = local.to(self.storage_device).contiguous().clone()
+        return self._wrap_local(local)
+
+    def _wrap_local(self, local: torch.Tensor) -> DTensor:
+        placements = (self.mesh_info.replicated_placements if self.layout.replicated
+                      else self.mesh_info.sharded_placements)
+        dtensor = DTensor.from_local(local, self.mesh_info.mesh, placements, run_check=False,
+                                     shape=torch.Size(self.global_shape),
+                                     stride=_contiguous_stride(self.global_shape))
+        return nn.Parameter(dtensor, requires_grad=self.requires_grad)  # type: ignore[return-value]
+
+    @property
+    def orig_dtype(self) -> torch.dtype:
+        return self.sharded_param.dtype
+
+    @property
+    def sharded_local(self) -> torch.Tensor:
+        """This rank's unpadded shard (a plain tensor)."""
+        with torch.no_grad():
+            return self.sharded_param.to_local()
+
+    def adopt_module_param(self) -> None:
+        """Re-read the sharded parameter if the module's slot now holds another DTensor Parameter
+        (``module.to_empty()`` and ``module.to(dtype)`` swap or replace it)."""
+        current = self.module._parameters.get(self.name)
+        if isinstance(current, DTensor) and current is not self.sharded_param:
+            self.sharded_param = current
+        self.requires_grad = self.sharded_param.requires_grad
+
+    def copy_in_parts(self) -> list[torch.Tensor]:
+        """Flat pieces that make this rank's padded shard: the local shard, then zero padding."""
+        local = self.sharded_local.reshape(-1)
+        pad = self.layout.padding_numel(self.mesh_info.shard_rank)
+        return [local, local.new_zeros(pad)] if pad else [local]
+
+    def set_sharded_grad(self, local_grad: torch.Tensor) -> None:
+        """Assign (or accumulate into) ``.grad`` of the sharded parameter as a DTensor."""
+        local_grad = local_grad.to(self.orig_dtype)
+        if local_grad.device != self.storage_device:
+            local_grad = local_grad.to(self.storage_device, non_blocking=True)
+        existing = self.sharded_param.grad
+        if not isinstance(existing, DTensor):
+            placements = self.sharded_param.placements
+            self.sharded_param.grad = DTensor.from_local(
+                local_grad, self.mesh_info.mesh, placements, run_check=False,
+                shape=torch.Size(self.global_shape), stride=_contiguous_stride(self.global_shape))
+        else:
+            with torch.no_grad():
+                existing.to_local().add_(local_grad)
+
+    # --- unsharded form -----------------------------------------------------------------------
+    def init_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Create the unsharded Parameter object once; storage stays freed until alloc_unsharded()."""
+        if self._unsharded_padded is not None and self._unsharded_padded.dtype == dtype:
+            return
+        padded = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
+        numel = self.layout.numel
+        view = padded[:numel].view(self.global_shape)
+        self._unsharded_padded = padded
+        self._unsharded_write = padded.data
+        self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
+        self.free_unsharded()
+
+    @property
+    def unsharded_write(self) -> torch.Tensor:
+        """Padded flat view of the unsharded storage whose writes do not bump autograd versions."""
+        assert self._unsharded_write is not None, f"{self.fqn}: unsharded form used before init"
+        return self._unsharded_write
+
+    def alloc_unsharded(self) -> None:
+        storage = self.unsharded_write.untyped_storage()
+        nbytes = self.layout.padded_numel * self.unsharded_write.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+
+    def free_unsharded(self) -> None:
+        if self._unsharded_write is not None:
+            self._unsharded_write.untyped_storage().resize_(0)
+
+    def unsharded_allocated(self) -> bool:
+        return self._unsharded_write is not None and self._unsharded_write.untyped_storage().size() > 0
+
+    # --- registration -------------------------------------------------------------------------
+    def register_sharded(self) -> None:
+        for module, name in self.slots:
+            module._parameters[name] = self.sharded_param  # type: ignore[assignment]
+
+    def register_unsharded(self) -> None:
+        assert self.unsharded_param is not None
+        for module, name in self.slots:
+            module._parameters[name] = self.unsharded_param
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """Pop the gradient autograd accumulated on the unsharded parameter (plus no-sync sums)."""
+        grad = self.unsharded_param.grad if self.unsharded_param is not None else None
+        if self.unsharded_param is not None:
+            self.unsharded_param.grad = None
+        acc = self.unsharded_accumulated_grad
+        self.unsharded_accumulated_grad = None
+        if acc is None:
+            return grad
+        return acc if grad is None else acc.add_(grad)
+
+    def stash_unsharded_grad(self, dtype: torch.dtype) -> None:
+        """No-sync step: move the fresh unsharded gradient into a ``dtype`` accumulator."""
+        grad = self.unsharded_param.grad if self.unsharded_param is not None else None
+        if grad is None:
+            return
+        self.unsharded_param.grad = None  # type: ignore[union-attr]
+        if self.unsharded_accumulated_grad is None:
+            self.unsharded_accumulated_grad = grad.to(dtype, copy=grad.dtype == dtype)
+        else:
+            self.unsharded_accumulated_grad.add_(grad)
+
+    def __repr__(self) -> str:
+        state = "UNSHARDED" if self.unsharded_allocated() else "SHARDED"
+        if self.layout.replicated:
+            dims = "@replicate"
+        else:
+            head = f"{self.global_shape[0]}@shard/{self.mesh_info.shard_world}"
+            dims = ", ".join([head, *map(str, self.global_shape[1:])])
+        return f"{self.fqn} {dtype_name(self.orig_dtype)}[{dims}] {state}"
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))

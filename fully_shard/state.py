@@ -1,0 +1,293 @@
+"""Per-module runtime: the forward/backward hooks that drive each ParamGroup, and root lazy init.
+
+See design/hooks.md. One ``FSDPState`` per fully_shard call (shared by all modules of a list call);
+the first state to run forward becomes the root and owns the ``RootContext``: the streams, the
+recorded forward order used for implicit prefetching, and the end-of-backward callback.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from . import trace
+from .group import GroupState, ParamGroup
+from .param import MeshInfo
+from .policy import MixedPrecisionPolicy
+from .streams import CommContext
+from .tree import map_tensors, tensors
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"  # unsharded for backward (also while recomputing checkpoints)
+    POST_BACKWARD = "post_backward"
+
+
+class RootContext:
+    """What the root shares with every state below it."""
+
+    def __init__(self, states: list[FSDPState], device: torch.device) -> None:
+        self.states = states
+        self.comm = CommContext(device)
+        self.forward_order: list[FSDPState] = []
+        self.order_frozen = False
+        self.callback_queued = False
+
+
+class FSDPState:
+    """Hooks and settings of one fully_shard unit."""
+
+    def __init__(self, modules: tuple[nn.Module, ...], group: ParamGroup | None, mesh_info: MeshInfo,
+                 device: torch.device, mp_policy: MixedPrecisionPolicy,
+                 reshard_after_forward: bool | int | None) -> None:
+        self.modules = modules
+        self.group = group
+        self.mesh_info = mesh_info
+        self.device = device
+        self.mp_policy = mp_policy
+        self.reshard_after_forward = reshard_after_forward
+        self.root: RootContext | None = None
+        self.is_root = False
+        self.fqn = ""
+        self.training_state = TrainingState.IDLE
+        self.forward_prefetch: list[FSDPState] | None = None  # explicit; None means implicit
+        self.backward_prefetch: list[FSDPState] | None = None
+        self.is_last_backward = True
+        self._modules_to_run: set[nn.Module] = set()
+        for module in modules:
+            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward_hook, prepend=False, with_kwargs=True)
+
+    # --- lazy init ---------------------------------------------------------------------------------
+    def lazy_init(self) -> None:
+        """Called on the first forward (or explicit unshard) of a unit nobody initialized: it becomes
+        the root of every fully_shard unit below its modules."""
+        if self.root is not None:
+            return
+        module = self.modules[0]
+        states: list[FSDPState] = []
+        fqns: dict[int, str] = {}
+        for name, sub in module.named_modules():
+            state = get_state(sub)
+            if state is not None and id(state) not in fqns:
+                states.append(state)
+                fqns[id(state)] = name
+        _check_not_meta(module)
+        root = RootContext(states, self.device)
+        for state in states:
+            state.root = root
+            state.is_root = state is self
+            state.fqn = fqns[id(state)]
+            if state.group is not None:
+                state.group.fqn = state.fqn
+                state.group.comm = root.comm
+                state.group.lazy_init()
+                for p in state.group.params:
+                    p.fqn = f"{state.fqn}.{p.name}" if state.fqn else p.name
+        self.is_root = True
+
+    @property
+    def effective_reshard_after_forward(self) -> bool | int:
+        value = self.reshard_after_forward
+        if value is None:
+            return not self.is_root
+        if not isinstance(value, bool):  # k=1 keeps everything, k=world is a full reshard
+            if value == 1:
+                return False
+            if value == self.mesh_info.shard_world:
+                return True
+        return value
+
+    # --- forward -----------------------------------------------------------------------------------
+    def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.root is None:
+            self.lazy_init()
+        if self.training_state is TrainingState.PRE_BACKWARD:  # activation-checkpoint recompute
+            if self.group is not None:
+                self.group.wait_for_unshard()
+            return args, kwargs
+        if self._modules_to_run:  # a list unit whose first module already ran this forward
+            self._modules_to_run.discard(module)
+            return args, kwargs
+        self._modules_to_run = set(self.modules) - {module}
+        root = self.root
+        assert root is not None
+        if self.is_root:
+            self._root_pre_forward()
+            args, kwargs = self._move_inputs_to_device(args, kwargs)
+        if not root.order_frozen and self not in root.forward_order:
+            root.forward_order.append(self)
+        self.training_state = TrainingState.FORWARD
+        args, kwargs = self._cast_inputs(args, kwargs)
+        if self.group is not None:
+            self.group.phase = trace.Phase.FORWARD
+            self.group.unshard()
+            self.group.wait_for_unshard()
+        self._prefetch(self._forward_targets())
+        if torch.is_grad_enabled():
+            args, kwargs = _register_post_backward(self, args, kwargs)
+        return args, kwargs
+
+    def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return output
+        if self._modules_to_run:  # wait until the last module of a list unit finished
+            return self._register_pre_backward(output) if torch.is_grad_enabled() else output
+        grad_enabled = torch.is_grad_enabled()
+        raf = self.effective_reshard_after_forward
+        if self.group is not None:
+            if raf is True or (not grad_enabled and raf is not False):
+                self.group.reshard()
+            elif raf is not False:
+                self.group.reshard(partial=True)
+        if grad_enabled:
+            output = self._register_pre_backward(output)
+        self.training_state = TrainingState.IDLE
+        if self.mp_policy.output_dtype is not None:
+            dtype = self.mp_policy.output_dtype
+            output = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)
+        return output
+
+    def _root_pre_forward(self) -> None:
+        root = self.root
+        assert root is not None
+        if root.forward_order:
+            root.order_frozen = True
+        root.comm.drain_reduces()
+
+    def _move_inputs_to_device(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.device.type == "cpu":
+            return args, kwargs
+        move: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
+        return map_tensors(move, args), map_tensors(move, kwargs)
+
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        dtype = self.mp_policy.param_dtype
+        if dtype is None or not self.mp_policy.cast_forward_inputs:
+            return args, kwargs
+        cast: Callable[[torch.Tensor], torch.Tensor] = (  # noqa: E731
+            lambda t: t.to(dtype) if t.is_floating_point() else t)
+        return map_tensors(cast, args), map_tensors(cast, kwargs)
+
+    # --- prefetch ----------------------------------------------------------------------------------
+    def _forward_targets(self) -> list[FSDPState]:
+        if self.forward_prefetch is not None:
+            return self.forward_prefetch
+        return self._neighbours(+1)
+
+    def _backward_targets(self) -> list[FSDPState]:
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        return self._neighbours(-1)
+
+    def _neighbours(self, step: int) -> list[FSDPState]:
+        root = self.root
+        if root is None or not root.order_frozen or self not in root.forward_order:
+            return []
+        i = root.forward_order.index(self) + step
+        return [root.forward_order[i]] if 0 <= i < len(root.forward_order) else []
+
+    def _prefetch(self, targets: list[FSDPState]) -> None:
+        for target in targets:
+            group = target.group
+            if group is not None and group.state in (GroupState.SHARDED, GroupState.PARTIALLY_SHARDED):
+                group.phase = self.group.phase if self.group is not None else trace.Phase.FORWARD
+                group.unshard(prefetch=True)
+
+    # --- backward ----------------------------------------------------------------------------------
+    def _register_pre_backward(self, output: Any) -> Any:
+        for t in tensors(output):
+            if t.requires_grad:
+                t.register_hook(self._pre_backward)
+        return output
+
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        root = self.root
+        assert root is not None
+        if not root.callback_queued:
+            root.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._root_final_callback)
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return grad
+        self.training_state = TrainingState.PRE_BACKWARD
+        if self.group is not None:
+            self.group.phase = trace.Phase.BACKWARD
+            self.group.unshard()
+            self.group.wait_for_unshard()
+        self._prefetch(self._backward_targets())
+        return grad
+
+    def post_backward(self) -> None:
+        """All gradients of this unit's parameters for one forward call are ready."""
+        self.training_state = TrainingState.POST_BACKWARD
+        group = self.group
+        if group is None:
+            return
+        group.phase = trace.Phase.BACKWARD
+        if group.state is GroupState.UNSHARDED:
+            group.reduce_grads()
+            if group.reshard_after_backward:
+                group.reshard()
+
+    def _root_final_callback(self) -> None:
+        """End of backward: reduce what no post-backward hook caught, reshard, finish reduces."""
+        root = self.root
+        assert root is not None
+        for state in root.states:
+            group = state.group
+            if group is not None:
+                group.phase = trace.Phase.BACKWARD
+                if group.has_unsharded_grads():
+                    group.reduce_grads()
+                if group.state is not GroupState.SHARDED and group.reshard_after_backward:
+                    group.reshard()
+            state.training_state = TrainingState.IDLE
+        root.comm.drain_reduces()
+        root.callback_queued = False
+        root.order_frozen = True
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward runs once their gradients are computed,
+    i.e. after the unit's own backward, and triggers the unit's post-backward."""
+
+    @staticmethod
+    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+def _register_post_backward(state: FSDPState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    flat = [t for t in tensors((args, kwargs)) if t.requires_grad]
+    if not flat:
+        return args, kwargs
+    outputs = _PostBackward.apply(state, *flat)
+    replacement = {id(t): o for t, o in zip(flat, outputs)}
+    swap: Callable[[torch.Tensor], torch.Tensor] = lambda t: replacement.get(id(t), t)  # noqa: E731
+    return map_tensors(swap, args), map_tensors(swap, kwargs)
+
+
+def get_state(module: nn.Module) -> FSDPState | None:
+    return module.__dict__.get("_fsdp_state")
+
+
+def _check_not_meta(module: nn.Module) -> None:
+    meta = [name for name, p in module.named_parameters() if p.is_meta]
+    meta += [name for name, b in module.named_buffers() if b.is_meta]
+    if meta:
+        shown = ", ".join(meta[:8]) + (f", ... ({len(meta)} in all)" if len(meta) > 8 else "")
+        raise RuntimeError(
+            f"forward on a module whose parameters/buffers are still on the meta device: {shown}. "
+            "Fix: after fully_shard, call model.to_empty(device=...) and initialize them "
+            "(e.g. reset_parameters() per module, or fully_shard.init.materialize_meta_module(model)).")

@@ -1,0 +1,138 @@
+"""Where collectives run: dedicated streams + events on accelerators, async work handles on CPU.
+
+See design/streams.md. One ``CommContext`` per root holds the streams and the two pieces of
+cross-stream memory bookkeeping that replace ``record_stream``:
+
+* ``all_gather_state``: the previous all-gather buffer and the event recorded after its copy-out.
+  The next unshard makes the copy-in stream wait on that event before dropping the buffer, which
+  bounds the buffers in flight to two and keeps the caching allocator from reusing one too early.
+* ``reduce_scatter_state``: the previous reduce-scatter input (allocated on the compute stream) and
+  the event recorded after its collective; the compute stream waits on it before dropping it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Pending:
+    """A collective in flight: a c10d work handle (CPU) or an event on its stream (accelerator)."""
+
+    work: dist.Work | None = None
+    event: Any = None  # torch.Event recorded on the collective's stream after it was issued
+    waited: bool = False
+
+    def wait(self, ctx: CommContext) -> None:
+        if self.waited:
+            return
+        if self.work is not None:
+            self.work.wait()
+        if self.event is not None:
+            ctx.current_stream().wait_event(self.event)
+        self.waited = True
+
+    def done(self) -> bool:
+        if self.work is not None:
+            return bool(self.work.is_completed())
+        if self.event is not None:
+            return bool(self.event.query())
+        return True
+
+
+class CommContext:
+    """Streams and cross-stream buffer bookkeeping shared by all groups under one root."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.accelerated = device.type != "cpu"
+        self.all_gather_state: tuple[torch.Tensor, Any] | None = None
+        self.reduce_scatter_state: tuple[torch.Tensor, Any] | None = None
+        self.reduce_queue: deque[Any] = deque()  # groups with reduce-scatters in flight, oldest first
+        if self.accelerated:
+            mod = torch.get_device_module(device)
+            # Higher priority for the all-gather streams so the next unit's params arrive first.
+            self.all_gather_copy_in_stream = mod.Stream(device=device, priority=-1)
+            self.all_gather_stream = mod.Stream(device=device, priority=-1)
+            self.reduce_scatter_stream = mod.Stream(device=device, priority=-1)
+            self.all_reduce_stream = mod.Stream(device=device)
+            self._mod = mod
+
+    # --- stream helpers (no-ops on CPU) ---------------------------------------------------------
+    def current_stream(self) -> Any:
+        return self._mod.current_stream(self.device) if self.accelerated else None
+
+    @contextlib.contextmanager
+    def on(self, stream: Any) -> Iterator[None]:
+        if stream is None:
+            yield
+            return
+        with self._mod.stream(stream):
+            yield
+
+    def wait_stream(self, waiter: Any, waitee: Any) -> None:
+        if waiter is not None:
+            waiter.wait_stream(waitee)
+
+    def record_event(self, stream: Any) -> Any:
+        return stream.record_event() if stream is not None else None
+
+    def stream(self, name: str) -> Any:
+        """``all_gather_copy_in`` | ``all_gather`` | ``reduce_scatter`` | ``all_reduce`` (None on CPU)."""
+        return getattr(self, f"{name}_stream") if self.accelerated else None
+
+    # --- the two pieces of bookkeeping ------------------------------------------------------------
+    def release_all_gather_buffer(self) -> None:
+        """Before a new all-gather buffer is allocated: let go of the previous one once its copy-out
+        (on the compute stream) has finished reading it."""
+        if self.all_gather_state is not None:
+            _, event = self.all_gather_state
+            if event is not None:
+                self.stream("all_gather_copy_in").wait_event(event)
+            self.all_gather_state = None
+
+    def hold_all_gather_buffer(self, buffer: torch.Tensor) -> None:
+        self.all_gather_state = (buffer, self.record_event(self.current_stream()))
+
+    def release_reduce_scatter_input(self) -> None:
+        if self.reduce_scatter_state is not None:
+            _, event = self.reduce_scatter_state
+            if event is not None:
+                self.current_stream().wait_event(event)
+            self.reduce_scatter_state = None
+
+    def hold_reduce_scatter_input(self, buffer: torch.Tensor, event: Any) -> None:
+        self.reduce_scatter_state = (buffer, event)
+
+    def queue_reduce(self, group: Any, max_in_flight: int = 2) -> None:
+        """Track a group's reduce in flight; finish the oldest beyond ``max_in_flight`` so reduce
+        buffers stay bounded instead of piling up until the end of backward."""
+        if group not in self.reduce_queue:
+            self.reduce_queue.append(group)
+        while len(self.reduce_queue) > max_in_flight:
+            self.reduce_queue.popleft().finish_reduces()
+
+    def drain_reduces(self) -> None:
+        while self.reduce_queue:
+            self.reduce_queue.popleft().finish_reduces()
+
+    def issue(self, stream_name: str, fn: Callable[[bool], dist.Work | None]) -> Pending:
+        """Issue ``fn(async_op)`` on the named stream; return what to wait on before using its output.
+
+        On accelerators the collective is issued synchronously inside the stream (the backend orders
+        its own stream after it) and an event marks completion; on CPU it is issued with
+        ``async_op=True`` and the work handle is waited just before use, so it overlaps compute.
+        """
+        if not self.accelerated:
+            return Pending(work=fn(True))
+        stream = self.stream(stream_name)
+        with self.on(stream):
+            fn(False)
+            return Pending(event=self.record_event(stream))

@@ -1,0 +1,45 @@
+"""Map a function over the tensors inside nested tuples, lists, dicts, namedtuples and dataclasses."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """Rebuild ``obj`` with ``fn`` applied to every tensor; other leaves are returned unchanged."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(fn, v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(fn, v) for v in obj)
+    if isinstance(obj, dict):
+        out = {k: map_tensors(fn, v) for k, v in obj.items()}
+        if type(obj) is dict:
+            return out
+        try:
+            new = type(obj)(**out)  # e.g. transformers' ModelOutput (an OrderedDict dataclass)
+        except TypeError:
+            new = obj.copy()
+            new.update(out)
+        return new
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: map_tensors(fn, getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
+def tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside ``obj``, in traversal order."""
+    found: list[torch.Tensor] = []
+
+    def collect(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    map_tensors(collect, obj)
+    return found
