@@ -1,0 +1,67 @@
+"""Shared recipes for the core multi-rank tests: sharded vs unsharded training on one global batch."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fully_shard import fully_shard
+from tests.models import TinyGPT, batches, loss_fn
+
+
+def shard_gpt(model: TinyGPT, **kwargs: object) -> TinyGPT:
+    for blk in model.blocks:
+        fully_shard(blk, **kwargs)  # type: ignore[arg-type]
+    fully_shard(model, **{k: v for k, v in kwargs.items() if k != "reshard_after_forward"})  # type: ignore[arg-type]
+    return model
+
+
+def local_slice(t: torch.Tensor) -> torch.Tensor:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = t.shape[0] // world
+    return t[rank * per:(rank + 1) * per]
+
+
+def global_mean(x: torch.Tensor) -> float:
+    x = x.detach().clone()
+    dist.all_reduce(x)
+    return x.item() / dist.get_world_size()
+
+
+def train_pair(make: Callable[[], nn.Module], shard: Callable[[nn.Module], nn.Module], steps: int = 10,
+               batch: int = 12, lr: float = 1e-2) -> tuple[list[float], list[float], float]:
+    """Train a sharded model (local batch slices) and an unsharded copy (global batch) side by side.
+
+    Returns (sharded losses averaged over ranks, reference losses, max |param diff| at the end).
+    """
+    torch.manual_seed(0)
+    ref = make()
+    model = shard(copy.deepcopy(ref))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    losses, ref_losses = [], []
+    for x, y in batches(steps, batch=batch):
+        loss = loss_fn(model(local_slice(x)), local_slice(y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_mean(loss))
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(ref_loss.item())
+    return losses, ref_losses, max_param_diff(model, ref)
+
+
+def max_param_diff(model: nn.Module, ref: nn.Module) -> float:
+    ref_params = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        worst = max(worst, (full.detach() - ref_params[name].detach()).abs().max().item() if full.numel() else 0.0)
+    return worst

@@ -1,0 +1,122 @@
+"""Parity: sharded training equals one unsharded process on the global batch, and torch's fully_shard."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from fully_shard import fully_shard
+from tests.core.common import global_mean, local_slice, shard_gpt, train_pair
+from tests.distributed.harness import distributed
+from tests.models import TinyGPT, batches, loss_fn
+
+
+def _parity(raf: bool | int | None) -> tuple[float, float]:
+    losses, ref_losses, pdiff = train_pair(TinyGPT, lambda m: shard_gpt(m, reshard_after_forward=raf))
+    ldiff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    assert ldiff < 2e-5, (losses, ref_losses)
+    assert pdiff < 1e-3, pdiff  # AdamW turns float noise in near-zero grads into lr-sized steps
+    return ldiff, pdiff
+
+
+@distributed(world_size=2)
+def _parity_w2(raf: bool | int | None) -> tuple[float, float]:
+    return _parity(raf)
+
+
+@distributed(world_size=3)
+def _parity_w3(raf: bool | int | None) -> tuple[float, float]:
+    return _parity(raf)
+
+
+@distributed(world_size=4)
+def _parity_w4(raf: bool | int | None) -> tuple[float, float]:
+    return _parity(raf)
+
+
+@pytest.mark.parametrize("raf", [True, False, None])
+def test_parity_world2(raf: bool | None) -> None:
+    _parity_w2(raf)
+
+
+@pytest.mark.parametrize("raf", [True, False])
+def test_parity_world3(raf: bool) -> None:
+    _parity_w3(raf)
+
+
+@pytest.mark.parametrize("raf", [2, 1, 4])
+def test_parity_int_reshard_world4(raf: int) -> None:
+    _parity_w4(raf)
+
+
+@distributed(world_size=2)
+def _torch_parity() -> float:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch.manual_seed(0)
+    base = TinyGPT(zero_dim=False)
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    shard_gpt(ours)
+    for blk in theirs.blocks:
+        torch_fully_shard(blk)
+    torch_fully_shard(theirs)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    worst = 0.0
+    for x, y in batches(10, batch=12):
+        got = []
+        for m, opt in zip((ours, theirs), opts):
+            loss = loss_fn(m(local_slice(x)), local_slice(y))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            got.append(global_mean(loss))
+        worst = max(worst, abs(got[0] - got[1]))
+    assert worst < 1e-6, worst
+    return worst
+
+
+def test_parity_with_torch_fully_shard() -> None:
+    _torch_parity()
+
+
+@distributed(world_size=2)
+def _tiny_shapes() -> None:
+    """0-dim params, dim0 < world, empty local shards, frozen params and buffers in one group."""
+
+    class Odd(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.tensor(1.5))  # 0-dim
+            self.row = torch.nn.Parameter(torch.randn(1, 5))  # dim0 = 1 < world: rank 1 holds nothing
+            self.frozen = torch.nn.Parameter(torch.randn(3, 5), requires_grad=False)
+            self.lin = torch.nn.Linear(5, 3)
+            self.register_buffer("offset", torch.full((5,), 0.25))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x * self.scale + self.row + self.offset) + (x @ self.frozen.T)
+
+    torch.manual_seed(0)
+    ref = Odd()
+    model = fully_shard(copy.deepcopy(ref))
+    assert model.row.to_local().shape == ((1, 5) if torch.distributed.get_rank() == 0 else (0, 5))
+    assert model.scale.to_local().shape == ()
+    assert not isinstance(model.offset, torch.distributed.tensor.DTensor)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    x = torch.randn(4, 5)
+    for _ in range(3):
+        model(local_slice(x)).pow(2).mean().backward()
+        ref(x).pow(2).mean().backward()
+        assert model.frozen.grad is None
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), dict(ref.named_parameters())[name], atol=1e-6, rtol=1e-5)
+
+
+def test_zero_dim_small_frozen_and_buffers() -> None:
+    _tiny_shapes()
