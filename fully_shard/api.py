@@ -7,7 +7,6 @@ changing one import.
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -25,9 +24,10 @@ from .state import FSDPState, get_state
 
 M = TypeVar("M", nn.Module, list)
 
-# Which fully_shard unit owns a parameter (original or sharded object), keyed by id (tensors compare
-# elementwise, so they cannot be dict keys): id -> (weak reference, "<Class> (param 'name')").
-_OWNER: dict[int, tuple[weakref.ref, str]] = {}
+# Which fully_shard unit owns a parameter (original or sharded object) is recorded as the tensor
+# attribute _OWNER_ATTR = "<Class> (param 'name')". Not a weakref registry: a weakref on a parameter
+# makes torch.utils.swap_tensors (module.to_empty()/.to() on DTensor params) refuse to swap it.
+_OWNER_ATTR = "_fully_shard_owner"
 _CLASS_CACHE: dict[type, type] = {}
 _SUBGROUPS: dict[tuple[tuple[tuple[int, ...], ...], int], dist.ProcessGroup | None] = {}
 _PIN_WARNED = False
@@ -76,7 +76,8 @@ def _as_modules(module: Any) -> tuple[nn.Module, ...]:
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}: {m!r:.80}")
         if get_state(m) is not None:
             raise ValueError(
-                f"fully_shard was already applied to this {type(m).__name__}; applying it twice would "
+                f"fully_shard was already applied to this {type(m).__name__.removeprefix('FSDP')} (now "
+                f"{type(m).__name__}); applying it twice would "
                 "shard the shards. Fix: call fully_shard once per module (children first, then parents).")
     return modules
 
@@ -181,9 +182,9 @@ def _shard_params(slots: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str
         if shard_placement_fn is not None:
             placement = shard_placement_fn(p)
             if placement is not None and placement != Shard(0):
-                raise NotImplementedError(f"shard_placement_fn returned {placement} for {fqn!r}; this library "
+                raise NotImplementedError(f"shard_placement_fn returned {placement!r} for {fqn!r}; this library "
                                           "shards along dim 0 only. Fix: return None or Shard(0).")
-        sp = ShardedParam(module, name, fqn, p, mesh_info, storage_device if not p.is_meta else p.device)
+        sp = ShardedParam(module, name, fqn, p, mesh_info, storage_device)  # meta stays meta until to_empty
         sp.slots = [(m, n) for m, n, _ in where]
         _set_owner(p, f"{type(module).__name__} (param {fqn!r})")
         params.append(sp)
@@ -219,13 +220,11 @@ def _subgroup(mesh: DeviceMesh, mesh_info: MeshInfo, raf: bool | int | None) -> 
 
 
 def _owner_of(p: torch.Tensor) -> str | None:
-    entry = _OWNER.get(id(p))
-    return entry[1] if entry is not None and entry[0]() is p else None
+    return getattr(p, _OWNER_ATTR, None)
 
 
 def _set_owner(p: torch.Tensor, description: str) -> None:
-    key = id(p)
-    _OWNER[key] = (weakref.ref(p, lambda _ref: _OWNER.pop(key, None)), description)
+    setattr(p, _OWNER_ATTR, description)
 
 
 def _fsdp_class(cls: type) -> type:

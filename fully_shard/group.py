@@ -162,7 +162,7 @@ class ParamGroup:
                     out, self.flat, rank, self.mesh_info.shard_group, a))
                 group_size = self.mesh_info.shard_world
         event = self._emit(trace.EventKind.ALL_GATHER, nbytes=out.numel() * out.element_size(),
-                           group_size=group_size, prefetch=prefetch)
+                           group_size=group_size, prefetch=prefetch, timing=pending.timing)
         self._pending_unshard = (out, pending, event)
 
     def wait_for_unshard(self) -> None:
@@ -248,7 +248,7 @@ class ParamGroup:
             ctx.hold_reduce_scatter_input(inp, pending.event)
         self._pending_reduces.append(_PendingReduce(out, pending, hsdp, None if ctx.accelerated else inp))
         self._emit(trace.EventKind.REDUCE_SCATTER, nbytes=inp.numel() * inp.element_size(),
-                   group_size=self.mesh_info.shard_world)
+                   group_size=self.mesh_info.shard_world, timing=pending.timing)
         ctx.queue_reduce(self)
 
     def finish_reduces(self) -> None:
@@ -282,7 +282,7 @@ class ParamGroup:
         ctx.wait_stream(ar_stream, ctx.current_stream())
         pending = ctx.issue("all_reduce", lambda a: collectives.all_reduce(output, group, collectives.AVG, a))
         self._emit(trace.EventKind.ALL_REDUCE, nbytes=output.numel() * output.element_size(),
-                   group_size=self.mesh_info.replicate_world)
+                   group_size=self.mesh_info.replicate_world, timing=pending.timing)
         pending.wait(ctx)
         return output
 

@@ -61,7 +61,8 @@ class ShardedParam:
         self.module = module
         self.name = name
         self.slots: list[tuple[nn.Module, str]] = [(module, name)]  # every (module, attr) holding it
-        self.fqn = fqn
+        self.local_fqn = fqn  # relative to the module fully_shard was called on
+        self.fqn = fqn  # relative to the root, once the root is known (lazy init)
         self.mesh_info = mesh_info
         self.storage_device = storage_device  # where the shard lives (CPU under offload)
         self.requires_grad = param.requires_grad
@@ -80,7 +81,7 @@ class ShardedParam:
             data = data.full_tensor()
         start, end = self.layout.row_range(self.mesh_info.shard_rank)
         local = data if self.layout.replicated else data[start:end]
-        local = local.to(self.storage_device).contiguous().clone()
+        local = (local if local.is_meta else local.to(self.storage_device)).contiguous().clone()
         return self._wrap_local(local)
 
     def _wrap_local(self, local: torch.Tensor) -> DTensor:
@@ -108,6 +109,12 @@ class ShardedParam:
         if isinstance(current, DTensor) and current is not self.sharded_param:
             self.sharded_param = current
         self.requires_grad = self.sharded_param.requires_grad
+        local = self.sharded_param._local_tensor
+        if not local.is_meta and local.device != self.storage_device:
+            # e.g. meta init + CPU offload: to_empty(device="cuda") put the shard on the device. Swap
+            # in place so the Parameter object (which an optimizer may already hold) stays the same.
+            moved = self._wrap_local(local.detach().to(self.storage_device))
+            torch.utils.swap_tensors(self.sharded_param, moved)
 
     def copy_in_parts(self) -> list[torch.Tensor]:
         """Flat pieces that make this rank's padded shard: the local shard, then zero padding."""

@@ -7,11 +7,14 @@ recorded forward order used for implicit prefetching, and the end-of-backward ca
 
 from __future__ import annotations
 
+import difflib
 import enum
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from . import trace
@@ -79,6 +82,9 @@ class FSDPState:
                 states.append(state)
                 fqns[id(state)] = name
         _check_not_meta(module)
+        for group in (self.mesh_info.shard_group, self.mesh_info.replicate_group):
+            if group is not None:
+                _check_same_structure(module, self.device, group)
         root = RootContext(states, self.device)
         for state in states:
             state.root = root
@@ -89,7 +95,7 @@ class FSDPState:
                 state.group.comm = root.comm
                 state.group.lazy_init()
                 for p in state.group.params:
-                    p.fqn = f"{state.fqn}.{p.name}" if state.fqn else p.name
+                    p.fqn = f"{state.fqn}.{p.local_fqn}" if state.fqn else p.local_fqn
         self.is_root = True
 
     @property
@@ -280,6 +286,29 @@ def _register_post_backward(state: FSDPState, args: tuple, kwargs: dict) -> tupl
 
 def get_state(module: nn.Module) -> FSDPState | None:
     return module.__dict__.get("_fsdp_state")
+
+
+def _check_same_structure(module: nn.Module, device: torch.device, group: dist.ProcessGroup) -> None:
+    """Every rank must shard the same parameters with the same shapes, or the collectives would hang
+    or mix up bytes; compare a digest across ranks once, at lazy init, and show a diff if it differs."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    desc = [f"{name}: {tuple(p.shape)} {p.dtype}" for name, p in module.named_parameters()]
+    digest = int.from_bytes(hashlib.blake2b("\n".join(desc).encode(), digest_size=7).digest(), "little")
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    every = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    if bool((every == every[0]).all()):
+        return
+    descs: list[Any] = [None] * world
+    dist.all_gather_object(descs, desc, group=group)  # error path only: fetch the structures to show a diff
+    bad = next(r for r, d in enumerate(descs) if d != descs[0])
+    diff = "\n".join(difflib.unified_diff(descs[0], descs[bad], "rank 0", f"rank {bad}", lineterm=""))
+    raise RuntimeError(
+        f"the model differs across ranks (group rank {bad} vs group rank 0): fully_shard needs every rank to build the "
+        f"same parameters with the same shapes and dtypes ({world} ranks in this mesh dimension).\n{diff}\n"
+        "Fix: build the model identically on every rank (same config; seed only the init).")
 
 
 def _check_not_meta(module: nn.Module) -> None:

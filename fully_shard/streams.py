@@ -13,6 +13,7 @@ cross-stream memory bookkeeping that replace ``record_stream``:
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from . import trace
 
 
 @dataclass
@@ -29,14 +32,22 @@ class Pending:
     work: dist.Work | None = None
     event: Any = None  # torch.Event recorded on the collective's stream after it was issued
     waited: bool = False
+    timing: trace.CollectiveTiming | None = None  # only while a trace observer is registered
 
     def wait(self, ctx: CommContext) -> None:
         if self.waited:
             return
+        timing = self.timing
+        t0 = time.perf_counter() if timing is not None else 0.0
+        if timing is not None and self.event is not None:
+            timing.reached = ctx.timing_event(ctx.current_stream())
         if self.work is not None:
             self.work.wait()
         if self.event is not None:
             ctx.current_stream().wait_event(self.event)
+        if timing is not None:
+            timing.t_wait = t0
+            timing.exposed_s = time.perf_counter() - t0
         self.waited = True
 
     def done(self) -> bool:
@@ -84,6 +95,10 @@ class CommContext:
     def record_event(self, stream: Any) -> Any:
         return stream.record_event() if stream is not None else None
 
+    def timing_event(self, stream: Any) -> Any:
+        """A timing-enabled event recorded on ``stream`` (tracing only; accelerators only)."""
+        return stream.record_event(self._mod.Event(enable_timing=True))
+
     def stream(self, name: str) -> Any:
         """``all_gather_copy_in`` | ``all_gather`` | ``reduce_scatter`` | ``all_reduce`` (None on CPU)."""
         return getattr(self, f"{name}_stream") if self.accelerated else None
@@ -130,9 +145,27 @@ class CommContext:
         its own stream after it) and an event marks completion; on CPU it is issued with
         ``async_op=True`` and the work handle is waited just before use, so it overlaps compute.
         """
+        timing = trace.CollectiveTiming() if trace.enabled() else None
         if not self.accelerated:
-            return Pending(work=fn(True))
+            work = fn(True)
+            if timing is not None and work is not None:
+                _time_completion(work, timing)
+            return Pending(work=work, timing=timing)
         stream = self.stream(stream_name)
         with self.on(stream):
+            if timing is None:
+                fn(False)
+                return Pending(event=self.record_event(stream))
+            timing.start = self.timing_event(stream)
             fn(False)
-            return Pending(event=self.record_event(stream))
+            timing.end = self.timing_event(stream)
+            return Pending(event=timing.end, timing=timing)
+
+
+def _time_completion(work: dist.Work, timing: trace.CollectiveTiming) -> None:
+    """Tracing on CPU: stamp ``timing.t_done`` from the backend's thread when the work completes."""
+    def done(_: Any) -> None:
+        timing.t_done = time.perf_counter()
+
+    with contextlib.suppress(RuntimeError):  # no future on this backend: the profiler uses the wait's end
+        work.get_future().add_done_callback(done)

@@ -11,6 +11,7 @@ import enum
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class EventKind(enum.Enum):
@@ -29,6 +30,25 @@ class Phase(enum.Enum):
 
 
 @dataclass
+class CollectiveTiming:
+    """When one collective finished and how long its consumer waited for it; made only while observed.
+
+    CPU: ``t_done`` is set by the c10d work's future callback when the collective completed and
+    ``exposed_s`` is the host time blocked in ``Pending.wait``. Accelerator: ``start``/``end`` are
+    timing events around the collective on its stream and ``reached`` is one recorded on the consumer
+    stream where it waits; the profiler turns them into seconds after a synchronize.
+    """
+
+    t_issue: float = field(default_factory=time.perf_counter)
+    t_done: float = 0.0  # CPU: perf_counter when the work completed (0 if the backend has no future)
+    t_wait: float = 0.0  # perf_counter when the consumer began waiting (0: never waited)
+    exposed_s: float = 0.0  # CPU: host time blocked in the wait
+    start: Any = None  # accelerator timing events (see above)
+    end: Any = None
+    reached: Any = None
+
+
+@dataclass
 class Event:
     kind: EventKind
     fqn: str  # the FSDP unit's module FQN ("" for the root)
@@ -39,6 +59,7 @@ class Event:
     t_end: float = 0.0  # filled by observers that time the collective's completion
     exposed_s: float = 0.0  # time the caller blocked waiting for this event's collective
     prefetch: bool = False
+    timing: CollectiveTiming | None = None  # ALL_GATHER / REDUCE_SCATTER / ALL_REDUCE while observed
 
     def short(self) -> str:
         """``"unshard blocks.0"``: compact form for order assertions."""

@@ -1,0 +1,406 @@
+"""Model and optimizer state dicts keyed by parameter FQN: sharded (DTensor) and full forms, get and set.
+
+The sharded form is what the model and optimizer hold (DTensors sharded along dim 0, plain tensors for
+buffers and unmanaged parameters) and costs no communication. The full form gathers one tensor at a
+time (bounded memory), optionally to CPU and optionally kept on rank 0 only. Optimizer state is keyed by
+the parameter's FQN instead of torch's integer ids, so it survives re-wrapping and re-sharding.
+This module also describes, for the checkpoint writer and reader, which global rows of every tensor a
+rank holds and which it writes (see format.held_rows / format.write_rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from . import format as fmt
+from .codec import ST_TO_TORCH, Encoder, decode, st_dtype
+from .comm import Comm
+from .format import CheckpointError
+
+OptimStateDict = dict[str, Any]  # {"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn]}]}
+
+
+@dataclass
+class View:
+    """One logical tensor as seen by this rank: its global signature and the rows it holds/writes."""
+
+    name: str
+    tensor: torch.Tensor  # as held by the model/optimizer (DTensor or plain)
+    local: torch.Tensor  # this rank's held rows, a plain tensor sharing storage with ``tensor``
+    dtype: str
+    shape: tuple[int, ...]
+    held: tuple[int, int]
+    write: tuple[int, int] | None  # rows this rank writes; None: written whole by one assigned rank
+
+    @property
+    def sharded(self) -> bool:
+        return isinstance(self.tensor, DTensor)
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """The held rows [start, end) (global indices) as a view of ``local``."""
+        if not self.shape:
+            return self.local
+        return self.local[start - self.held[0]: end - self.held[0]]
+
+
+def _placements(name: str, tensor: DTensor) -> list[str]:
+    out = []
+    for p in tensor.placements:
+        if type(p) is Shard and p.dim == 0 and tensor.ndim > 0:
+            out.append(fmt.SHARD)
+        elif isinstance(p, Replicate):
+            out.append(fmt.REPLICATE)
+        else:
+            raise CheckpointError(
+                f"{name}: DTensor placement {p} (all placements {tuple(tensor.placements)}) is not supported; "
+                "checkpoints handle Shard(0) and Replicate() placements (what fully_shard produces); fix: "
+                "redistribute the tensor to Shard(0)/Replicate() before saving")
+    return out
+
+
+def describe(name: str, tensor: torch.Tensor) -> View:
+    """Where ``tensor``'s rows live on this rank. Plain tensors are held whole by every rank."""
+    dtype = st_dtype(tensor.dtype, name)
+    shape = tuple(tensor.shape)
+    if isinstance(tensor, DTensor):
+        mesh = tensor.device_mesh
+        coord = mesh.get_coordinate()
+        if coord is None:
+            raise CheckpointError(f"{name}: this rank is not part of the tensor's device mesh {mesh}; fix: call "
+                                  "checkpoint functions on the ranks of the model's mesh")
+        placements = _placements(name, tensor)
+        mesh_shape = tuple(mesh.shape)
+        held = fmt.held_rows(shape, mesh_shape, coord, placements)
+        write = fmt.write_rows(shape, mesh_shape, coord, placements)
+        local = tensor.to_local()
+        expected = () if not shape else (held[1] - held[0], *shape[1:])
+        if tuple(local.shape) != expected:
+            raise CheckpointError(
+                f"{name}: local shard has shape {tuple(local.shape)}, but a torch.chunk Shard(0) layout of global "
+                f"shape {shape} on mesh {mesh_shape} at {tuple(coord)} gives {expected}; fix: shard with "
+                "torch.chunk semantics (unpadded local shards)")
+        return View(name, tensor, local, dtype, shape, held, write)
+    return View(name, tensor, tensor.detach(), dtype, shape, (0, fmt.rows_of(shape)), None)
+
+
+def model_views(model: nn.Module) -> tuple[list[View], dict[str, str]]:
+    """Views of every state_dict entry (shared tensors once) and {alias fqn: stored fqn}."""
+    views: list[View] = []
+    aliases: dict[str, str] = {}
+    seen: dict[int, str] = {}
+    for fqn, tensor in model.state_dict(keep_vars=True).items():
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"model state_dict entry {fqn!r} is a {type(tensor).__name__}, not a tensor; "
+                                  "checkpoints store tensors only; fix: keep such state in `extra`")
+        if id(tensor) in seen:
+            aliases[fqn] = seen[id(tensor)]
+            continue
+        seen[id(tensor)] = fqn
+        views.append(describe(fqn, tensor))
+    return views, aliases
+
+
+def param_fqns(model: nn.Module) -> dict[int, str]:
+    return {id(p): fqn for fqn, p in model.named_parameters()}
+
+
+def optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[tuple[str, torch.Tensor]]]:
+    """[(fqn, param)] per param group; every optimizer parameter must belong to ``model``."""
+    fqns = param_fqns(model)
+    groups = []
+    for i, group in enumerate(optimizer.param_groups):
+        entries = []
+        for p in group["params"]:
+            if id(p) not in fqns:
+                raise CheckpointError(
+                    f"optimizer param_groups[{i}] holds a parameter of shape {tuple(p.shape)} that is not a "
+                    "parameter of the model; optimizer state is keyed by the model's parameter names; fix: build "
+                    "the optimizer from model.parameters() after wrapping the model")
+            entries.append((fqns[id(p)], p))
+        groups.append(entries)
+    return groups
+
+
+def group_hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def state_is_sharded(param: torch.Tensor, name: str, shape: tuple[int, ...], saved_sharded: bool | None,
+                     existing: Any) -> bool:
+    """Whether an optimizer state tensor should be a DTensor laid out like its parameter.
+
+    Decided by the state the optimizer already holds if any, else by how it was saved, else by shape
+    (``step`` counters stay plain tensors, as torch optimizers create them).
+    """
+    if not isinstance(param, DTensor) or shape != tuple(param.shape):
+        return False
+    if isinstance(existing, torch.Tensor):
+        return isinstance(existing, DTensor)
+    if saved_sharded is not None:
+        return saved_sharded
+    return name != "step"
+
+
+def shard_like(param: DTensor, full: torch.Tensor) -> DTensor:
+    """Cut this rank's rows of ``full`` (a plain tensor of param's global shape) into a DTensor like ``param``."""
+    view = describe("param", param)
+    local = full if not view.shape else full[view.held[0]: view.held[1]]
+    local = local.detach().to(device=view.local.device, copy=True).contiguous()  # never alias the caller's
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+# --------------------------------------------------------------------------------------------------
+# Public state dict API.
+# --------------------------------------------------------------------------------------------------
+
+
+def _gather(value: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
+    out = value.full_tensor() if isinstance(value, DTensor) else value.detach()
+    return out.cpu() if cpu_offload else out
+
+
+def _offload(value: torch.Tensor) -> torch.Tensor:
+    if isinstance(value, DTensor):
+        return DTensor.from_local(value.to_local().cpu(), value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+    return value.detach().cpu()
+
+
+def get_model_state_dict(model: nn.Module, *, full: bool = False, cpu_offload: bool = False,
+                         rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """The model's state dict keyed by FQN.
+
+    ``full=False`` (sharded): DTensors as held, no communication. ``full=True``: plain full tensors,
+    gathered one at a time (collective: call on every rank); ``rank0_only`` leaves other ranks an empty
+    dict; ``cpu_offload`` moves each tensor to CPU as soon as it is gathered.
+    """
+    if rank0_only and not full:
+        raise ValueError("rank0_only=True needs full=True (a sharded state dict lives on every rank)")
+    keep = not rank0_only or Comm().rank == 0
+    out: dict[str, torch.Tensor] = {}
+    done: dict[int, torch.Tensor] = {}
+    for fqn, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in done:
+            if full:
+                done[id(tensor)] = _gather(tensor, cpu_offload)
+            else:
+                done[id(tensor)] = _offload(tensor) if cpu_offload else tensor.detach()
+        if keep:
+            out[fqn] = done[id(tensor)]
+    return out
+
+
+def _signature(tensor: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+    return str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape)
+
+
+def _check_structure(comm: Comm, expected: dict[str, tuple[str, tuple[int, ...]]],
+                     found: dict[str, tuple[str, tuple[int, ...]]] | None, strict: bool, what: str,
+                     check_dtype: bool) -> None:
+    error: CheckpointError | None = None
+    if found is not None:
+        if not check_dtype:
+            found = {k: (expected[k][0] if k in expected else v[0], v[1]) for k, v in found.items()}
+        missing, unexpected, mismatched = fmt.structure_diff(expected, found)
+        if not strict:
+            missing, unexpected = [], []
+        if missing or unexpected or mismatched:
+            error = CheckpointError(fmt.format_diff(
+                f"{what} does not match the model:", missing, unexpected, mismatched,
+                "pass a state dict of this model (strict=False ignores missing/unexpected keys, not shapes)"))
+    comm.agree(error, what)
+
+
+def set_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], *, full: bool = False,
+                         strict: bool = True) -> None:
+    """Copy ``state_dict`` into the model in place.
+
+    ``full=False``: each rank passes its sharded dict (DTensors like the model's, or plain full tensors).
+    ``full=True``: rank 0's dict of full tensors is broadcast one tensor at a time and each rank keeps its
+    rows (other ranks may pass ``{}``). Collective for ``full=True``. Shapes must match; dtypes are cast.
+    """
+    comm = Comm()
+    targets = model.state_dict(keep_vars=True)
+    expected = {k: _signature(v) for k, v in targets.items()}
+    source_rank0 = full and comm.world > 1
+    found = None if source_rank0 and comm.rank != 0 else {k: _signature(v) for k, v in state_dict.items()}
+    _check_structure(comm, expected, found, strict, "state dict", check_dtype=False)
+    present = comm.broadcast_json(sorted(state_dict) if comm.rank == 0 else None) if source_rank0 else list(state_dict)
+    present_set = set(present)
+    copied: set[int] = set()
+    with torch.no_grad():
+        for fqn, target in targets.items():
+            if fqn not in present_set or id(target) in copied:
+                continue
+            copied.add(id(target))
+            view = describe(fqn, target)
+            if source_rank0:
+                buf = torch.empty(view.shape, dtype=target.dtype)
+                if comm.rank == 0:
+                    buf.copy_(state_dict[fqn].detach())
+                comm.broadcast_tensor(buf)
+                value: torch.Tensor = buf
+            else:
+                value = state_dict[fqn]
+            _copy_into(view, value)
+
+
+def _copy_into(view: View, value: torch.Tensor) -> None:
+    if isinstance(value, DTensor):
+        if isinstance(view.tensor, DTensor) and value.placements == view.tensor.placements \
+                and value.device_mesh == view.tensor.device_mesh:
+            view.local.copy_(value.to_local())
+            return
+        value = value.full_tensor()
+    view.local.copy_(value if not view.shape else value[view.held[0]: view.held[1]])
+
+
+def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool = False,
+                             cpu_offload: bool = False, rank0_only: bool = False) -> OptimStateDict:
+    """``{"state": {fqn: {name: value}}, "param_groups": [{hyperparameters, "params": [fqn, ...]}]}``.
+
+    Same modes as get_model_state_dict; state tensors are sharded like their parameter (DTensors) unless
+    ``full=True`` gathers them.
+    """
+    if rank0_only and not full:
+        raise ValueError("rank0_only=True needs full=True (a sharded state dict lives on every rank)")
+    keep = not rank0_only or Comm().rank == 0
+    state: dict[str, dict[str, Any]] = {}
+    groups = []
+    for group, entries in zip(optimizer.param_groups, optimizer_params(model, optimizer)):
+        groups.append({**group_hyper(group), "params": [fqn for fqn, _ in entries]})
+        for fqn, p in entries:
+            values = {}
+            for name, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    value = _gather(value, cpu_offload) if full else (_offload(value) if cpu_offload else value)
+                values[name] = value
+            if values:
+                state[fqn] = values
+    return {"state": state, "param_groups": groups} if keep else {}
+
+
+def held_like(param: DTensor, shape: tuple[int, ...]) -> tuple[int, int]:
+    """Rows of a tensor of global ``shape`` this rank holds when laid out like ``param``."""
+    coord = param.device_mesh.get_coordinate()
+    if coord is None:
+        raise CheckpointError("this rank is not part of the parameter's device mesh")
+    return fmt.held_rows(shape, tuple(param.device_mesh.shape), coord, _placements("param", param))
+
+
+def from_local_like(param: DTensor, local: torch.Tensor, shape: tuple[int, ...]) -> DTensor:
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=torch.Size(shape), stride=stride)
+
+
+def _group_problem(saved: list[list[str]], current: list[list[str]]) -> str | None:
+    if [set(g) for g in saved] == [set(g) for g in current]:
+        return None
+    lines = [f"optimizer has {len(current)} param group(s), the saved state has {len(saved)}:"]
+    for i in range(max(len(saved), len(current))):
+        s = set(saved[i]) if i < len(saved) else set()
+        c = set(current[i]) if i < len(current) else set()
+        if s != c:
+            lines.append(f"    group {i}: missing in saved state {sorted(c - s)[:10]}, unexpected {sorted(s - c)[:10]}")
+    return "\n".join(lines)
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, osd: OptimStateDict,
+                         strict: bool = True, saved_sharded: set[tuple[str, str]] | None = None,
+                         copy: bool = True) -> None:
+    """Load an FQN-keyed optimizer state dict (values: DTensors like the params, or plain full tensors).
+
+    With ``copy`` the optimizer gets private copies (torch's load_state_dict would keep references, so
+    two optimizers loaded from one dict would silently share and corrupt each other's moments).
+    """
+    groups = optimizer_params(model, optimizer)
+    current = [[fqn for fqn, _ in g] for g in groups]
+    saved_groups = osd.get("param_groups", [])
+    saved = [list(g.get("params", [])) for g in saved_groups]
+    problem = _group_problem(saved, current)
+    known = {fqn for g in current for fqn in g}
+    unexpected = sorted(set(osd.get("state", {})) - known)
+    if strict and (problem or unexpected):
+        raise CheckpointError(
+            "optimizer state does not match the optimizer's parameters (keyed by FQN):\n"
+            f"  {problem or ''}{'' if not unexpected else f'  state for unknown parameters: {unexpected[:10]}'}\n"
+            "  fix: build the optimizer with the same parameter groups as when saving, or load with strict=False")
+    ids: dict[str, int] = {}
+    new_groups = []
+    for group, entries in zip(optimizer.param_groups, groups):
+        names = {fqn for fqn, _ in entries}
+        match = max(range(len(saved)), key=lambda j: len(names & set(saved[j])), default=None)
+        source = saved_groups[match] if match is not None and names & set(saved[match]) else group
+        for fqn, _ in entries:
+            ids[fqn] = len(ids)
+        new_groups.append({**group_hyper(source), "params": [ids[fqn] for fqn, _ in entries]})
+    state: dict[int, dict[str, Any]] = {}
+    for entries in groups:
+        for fqn, p in entries:
+            values = osd.get("state", {}).get(fqn)
+            if not values:
+                continue
+            existing = optimizer.state.get(p, {})
+            out: dict[str, Any] = {}
+            for name, value in values.items():
+                if isinstance(value, torch.Tensor):
+                    hint = None if saved_sharded is None else (fqn, name) in saved_sharded
+                    if isinstance(value, DTensor):
+                        same = isinstance(p, DTensor) and value.device_mesh == p.device_mesh \
+                            and value.placements == p.placements
+                        value = (value.detach().clone() if copy else value) if same else value.full_tensor()
+                    elif state_is_sharded(p, name, tuple(value.shape), hint, existing.get(name)):
+                        value = shard_like(p, value)  # type: ignore[arg-type]
+                    elif copy:
+                        value = value.detach().clone()
+                out[name] = value
+            state[ids[fqn]] = out
+    optimizer.load_state_dict({"state": state, "param_groups": new_groups})
+
+
+def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: OptimStateDict, *,
+                             full: bool = False, strict: bool = True) -> None:
+    """Load an FQN-keyed optimizer state dict (see get_optimizer_state_dict).
+
+    ``full=True``: rank 0's dict of full tensors is broadcast one tensor at a time and sharded like each
+    parameter (other ranks may pass ``{}``); collective.
+    """
+    comm = Comm()
+    error: BaseException | None = None
+    if full and comm.world > 1:
+        skeleton: Any = None
+        encoder = Encoder("t/")
+        if comm.rank == 0:
+            try:
+                for fqn, values in state_dict.get("state", {}).items():
+                    for name, value in values.items():
+                        if isinstance(value, DTensor):
+                            raise CheckpointError(f"state[{fqn!r}][{name!r}] is a DTensor; full=True expects plain "
+                                                  "full tensors on rank 0; fix: pass full=False for sharded dicts")
+                skeleton = encoder.encode({"state": state_dict.get("state", {}),
+                                           "param_groups": state_dict.get("param_groups", [])}, "optimizer state")
+                skeleton = {"tree": skeleton, "tensors": [[n, st_dtype(t.dtype, n), list(t.shape)]
+                                                          for n, t in encoder.tensors.items()]}
+            except BaseException as e:
+                error = e
+        comm.agree(error, "set_optimizer_state_dict(full=True)")
+        skeleton = comm.broadcast_json(skeleton)
+        received: dict[str, torch.Tensor] = {}
+        for name, dtype, shape in skeleton["tensors"]:
+            buf = encoder.tensors[name].contiguous().clone() if comm.rank == 0 else \
+                torch.empty(shape, dtype=ST_TO_TORCH[dtype])
+            comm.broadcast_tensor(buf)
+            received[name] = buf
+        state_dict = decode(skeleton["tree"], received.__getitem__)
+    try:
+        load_optimizer_state(model, optimizer, state_dict, strict)
+    except BaseException as e:
+        error = e
+    comm.agree(error, "set_optimizer_state_dict")

@@ -1,0 +1,245 @@
+"""Property tests of the pure checkpoint format: row planning, coverage, resharding identity, index schema."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fully_shard.checkpoint import format as fmt
+from fully_shard.checkpoint.codec import Encoder, decode, tensor_refs
+from fully_shard.checkpoint.format import CheckpointError, Chunk, Index, TensorEntry
+
+SETTINGS = settings(max_examples=150, deadline=None)
+
+shapes = st.one_of(
+    st.just(()),  # 0-dim
+    st.tuples(st.integers(0, 23)),
+    st.tuples(st.integers(0, 23), st.integers(0, 4)),
+    st.tuples(st.integers(0, 9), st.integers(1, 3), st.integers(1, 2)),
+)
+# A mesh: 1-D (shard), 2-D HSDP (replicate, shard), 2-D all-replicate, or 1-D replicate.
+meshes = st.one_of(
+    st.tuples(st.integers(1, 7)).map(lambda s: (s, (fmt.SHARD,))),
+    st.tuples(st.integers(1, 3), st.integers(1, 4)).map(lambda s: (s, (fmt.REPLICATE, fmt.SHARD))),
+    st.tuples(st.integers(1, 3), st.integers(1, 3)).map(lambda s: (s, (fmt.SHARD, fmt.SHARD))),
+    st.tuples(st.integers(1, 4)).map(lambda s: (s, (fmt.REPLICATE,))),
+)
+
+
+def coords(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    return [tuple(int(i) for i in c) for c in np.ndindex(*mesh_shape)]
+
+
+def placements_for(shape: tuple[int, ...], placements: tuple[str, ...]) -> tuple[str, ...]:
+    """0-dim tensors cannot be sharded: fully_shard replicates them."""
+    return placements if shape else tuple(fmt.REPLICATE for _ in placements)
+
+
+def save_chunks(shape: tuple[int, ...], mesh: tuple[tuple[int, ...], tuple[str, ...]]) -> list[Chunk]:
+    mesh_shape, placements = mesh
+    placements = placements_for(shape, placements)
+    chunks = []
+    for i, c in enumerate(coords(mesh_shape)):
+        s, e = fmt.write_rows(shape, mesh_shape, c, placements)
+        if s < e:
+            chunks.append(Chunk(f"model-rank{i:05d}.safetensors", "w", s, e))
+    return chunks
+
+
+@SETTINGS
+@given(shapes, meshes)
+def test_held_rows_match_torch_chunk(shape: tuple[int, ...], mesh: tuple[tuple[int, ...], tuple[str, ...]]) -> None:
+    mesh_shape, placements = mesh
+    placements = placements_for(shape, placements)
+    rows = fmt.rows_of(shape)
+    for c in coords(mesh_shape):
+        start, end = fmt.held_rows(shape, mesh_shape, c, placements)
+        expected = torch.arange(rows)
+        for size, ci, pl in zip(mesh_shape, c, placements):
+            if pl == fmt.SHARD:
+                parts = torch.chunk(expected, size) if expected.numel() else ()
+                expected = parts[ci] if ci < len(parts) else expected[:0]
+        if expected.numel():
+            assert (start, end) == (int(expected[0]), int(expected[-1]) + 1)
+        else:
+            assert start == end
+
+
+@SETTINGS
+@given(shapes, meshes)
+def test_written_chunks_cover_each_tensor_exactly_once(shape: tuple[int, ...],
+                                                       mesh: tuple[tuple[int, ...], tuple[str, ...]]) -> None:
+    chunks = save_chunks(shape, mesh)
+    assert fmt.coverage_problem(fmt.rows_of(shape), chunks) is None
+    mesh_shape, placements = mesh
+    placements = placements_for(shape, placements)
+    for c in coords(mesh_shape):  # every rank writes only rows it holds
+        hs, he = fmt.held_rows(shape, mesh_shape, c, placements)
+        ws, we = fmt.write_rows(shape, mesh_shape, c, placements)
+        assert ws == we or hs <= ws < we <= he
+    # Replicas share the work: each writes at most its torch.chunk share of the rows they all hold.
+    replicas = math.prod(size for size, pl in zip(mesh_shape, placements) if pl == fmt.REPLICATE)
+    for c in coords(mesh_shape):
+        hs, he = fmt.held_rows(shape, mesh_shape, c, placements)
+        ws, we = fmt.write_rows(shape, mesh_shape, c, placements)
+        assert we - ws <= -(-(he - hs) // replicas)
+
+
+@SETTINGS
+@given(shapes, meshes, meshes, st.integers(0, 2**31 - 1))
+def test_save_at_w_load_at_w_prime_is_identity(shape: tuple[int, ...], saved: tuple[tuple[int, ...], tuple[str, ...]],
+                                               loaded: tuple[tuple[int, ...], tuple[str, ...]], seed: int) -> None:
+    full = np.random.default_rng(seed).standard_normal(shape if shape else ())
+    rows_view = full.reshape((1,)) if not shape else full
+    chunks = save_chunks(shape, saved)
+    stored = {c.file: rows_view[c.start:c.end].copy() for c in chunks}  # what each saving rank writes
+    mesh_shape, placements = loaded
+    placements = placements_for(shape, placements)
+    for c in coords(mesh_shape):
+        start, end = fmt.held_rows(shape, mesh_shape, c, placements)
+        target = np.full((end - start, *shape[1:]) if shape else (1,), np.nan)
+        for chunk, s, e in fmt.overlaps(chunks, start, end):
+            target[s - start:e - start] = stored[chunk.file][s - chunk.start:e - chunk.start]
+        np.testing.assert_array_equal(target, rows_view[start:end])
+
+
+@SETTINGS
+@given(st.integers(0, 40), st.lists(st.tuples(st.integers(0, 45), st.integers(0, 45)), max_size=6))
+def test_coverage_problem_detects_gaps_overlaps_and_bounds(rows: int, spans: list[tuple[int, int]]) -> None:
+    chunks = [Chunk("f.safetensors", f"k{i}", s, e) for i, (s, e) in enumerate(spans)]
+    covered = [0] * rows
+    ok = True
+    for s, e in spans:
+        if not 0 <= s < e <= rows:
+            ok = False
+            continue
+        for r in range(s, e):
+            covered[r] += 1
+    ok = ok and all(c == 1 for c in covered)
+    assert (fmt.coverage_problem(rows, chunks) is None) == ok
+
+
+@SETTINGS
+@given(st.dictionaries(st.text(min_size=1, max_size=5), st.integers(0, 1000), max_size=30), st.integers(1, 8))
+def test_assign_whole_is_deterministic_and_balanced(sizes: dict[str, int], world: int) -> None:
+    owner = fmt.assign_whole(sizes, world)
+    assert owner == fmt.assign_whole(dict(reversed(list(sizes.items()))), world)
+    loads = [0] * world
+    for name, rank in owner.items():
+        loads[rank] += max(sizes[name], 1)
+    if sizes:
+        assert max(loads) - min(loads) <= max(max(sizes.values()), 1)
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 100), max_size=30), st.integers(1, 150))
+def test_output_shards_respect_the_limit_and_keep_order(sizes: list[int], limit: int) -> None:
+    named = [(f"t{i}", s) for i, s in enumerate(sizes)]
+    groups = fmt.plan_output_shards(named, limit)
+    assert [n for g in groups for n in g] == [n for n, _ in named]
+    size_of = dict(named)
+    for g in groups:
+        assert len(g) == 1 or sum(size_of[n] for n in g) <= limit
+
+
+def _index(shape: tuple[int, ...] = (5, 3), chunks: tuple[Chunk, ...] | None = None) -> Index:
+    chunks = chunks or (Chunk("model-rank00000.safetensors", "w", 0, 3), Chunk("model-rank00001.safetensors", "w", 3, 5))
+    files = {f"model-rank0000{i}.safetensors": fmt.FileEntry(100, "0" * 32, i) for i in range(2)}
+    return Index(world_size=2, files=files, model={"w": TensorEntry("F32", shape, chunks)})
+
+
+def test_index_round_trip() -> None:
+    index = _index()
+    index.files["optim-rank00000.safetensors"] = fmt.FileEntry(100, "f" * 32, 0)
+    moment = TensorEntry("F32", (5, 3), (Chunk("optim-rank00000.safetensors", "w/exp_avg", 0, 5),))
+    index.optimizer = fmt.OptimEntry([{"lr": 0.1, "params": ["w"]}],
+                                     {"w": {"exp_avg": moment, "k": fmt.Value(3)}}, {("w", "exp_avg")})
+    shared = TensorEntry("F32", (5, 3), (Chunk("optim-rank00000.safetensors", "w", 0, 5),))
+    index.model["v"] = shared
+    Index.parse(index.to_json(), "x/index.json")
+    index.blobs["b"] = shared  # two tensors claiming one stored chunk are rejected
+    with pytest.raises(CheckpointError, match="also used by"):
+        Index.parse(index.to_json(), "x/index.json")
+    del index.blobs["b"]
+    text = index.to_json()
+    again = Index.parse(text, "x/index.json")
+    assert again.to_json() == text
+    assert again.optimizer is not None and ("w", "exp_avg") in again.optimizer.sharded
+
+
+def _doc() -> dict:
+    return json.loads(_index().to_json())
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(version=fmt.FORMAT_VERSION + 1), "upgrade fully_shard"),
+    (lambda d: d.update(format="something-else"), "not a fully_shard checkpoint"),
+    (lambda d: d["files"].update({"../evil.safetensors": {"size": 9, "digest": "0" * 32, "rank": 0}}), "'..'"),
+    (lambda d: d["files"].update({"/abs/x.safetensors": {"size": 9, "digest": "0" * 32, "rank": 0}}), "absolute"),
+    (lambda d: d["model"]["w"]["chunks"][0].update(file="../model-rank00000.safetensors"), "absolute"),
+    (lambda d: d["model"]["w"]["chunks"][0].update(file="other.safetensors"), "not listed under 'files'"),
+    (lambda d: d["model"]["w"]["chunks"][0].update(rows=[0, 4]), "overlap"),
+    (lambda d: d["model"]["w"]["chunks"][0].update(rows=[0, 2]), "covered by no chunk"),
+    (lambda d: d["model"]["w"]["chunks"][1].update(rows=[3, 9]), "outside"),
+    (lambda d: d["model"]["w"].update(dtype="F31"), "expected one of"),
+    (lambda d: d["model"]["w"].update(shape=[5, -3]), "non-negative"),
+    (lambda d: d["files"]["model-rank00000.safetensors"].update(digest="xyz"), "32-hex-digit"),
+    (lambda d: d.pop("model"), "expected key 'model'"),
+    (lambda d: d.update(aliases={"v": "missing"}), "aliases"),
+])
+def test_bad_index_is_rejected_with_the_key(mutate, message: str) -> None:
+    doc = _doc()
+    mutate(doc)
+    with pytest.raises(CheckpointError, match="x/index.json") as err:
+        Index.parse(json.dumps(doc), "x/index.json")
+    assert message in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("text", ["", "{", "[1, 2]", "null", '{"format": "fully_shard-checkpoint"}', "\xff\xfe"])
+def test_malformed_index_text(text: str) -> None:
+    with pytest.raises(CheckpointError, match="fix:"):
+        Index.parse(text, "x/index.json")
+
+
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**62, 2**62), st.text(max_size=8),
+                      st.floats(allow_nan=False), st.sampled_from([math.inf, -math.inf]), st.binary(max_size=8))
+trees = st.recursive(json_leaf, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.tuples(inner, inner),
+    st.dictionaries(st.one_of(st.text(max_size=6), st.integers(-5, 5)), inner, max_size=4)), max_leaves=20)
+
+
+@SETTINGS
+@given(trees)
+def test_codec_round_trips_json_values(tree: object) -> None:
+    enc = Encoder("x/")
+    encoded = enc.encode(tree, "extra")
+    text = json.dumps(encoded, allow_nan=False)  # strict JSON, no pickle
+    assert decode(json.loads(text), enc.tensors.__getitem__) == tree
+
+
+def test_codec_tensors_numpy_and_nan() -> None:
+    enc = Encoder("x/")
+    rng = np.random.default_rng(0)
+    tree = {"rng": torch.get_rng_state(), "np": rng.integers(0, 9, 5).astype(np.uint32), "nan": math.nan,
+            "__dunder": 1, "scalar": np.float32(1.5)}
+    encoded = json.loads(json.dumps(enc.encode(tree, "extra"), allow_nan=False))
+    assert sorted(tensor_refs(encoded)) == sorted(enc.tensors)
+    out = decode(encoded, enc.tensors.__getitem__)
+    assert torch.equal(out["rng"], tree["rng"]) and np.array_equal(out["np"], tree["np"])
+    assert math.isnan(out["nan"]) and out["__dunder"] == 1 and out["scalar"] == 1.5
+
+
+def test_codec_rejects_unstorable_values() -> None:
+    with pytest.raises(CheckpointError, match=r"extra\['fn'\].*never pickle"):
+        Encoder("x/").encode({"fn": lambda: 0}, "extra")
+
+
+def test_series_key() -> None:
+    assert fmt.series_key("step-000300") == ("step-#", (300,))
+    assert fmt.series_key("final") is None

@@ -1,0 +1,276 @@
+"""Runtime behaviour: collective counts, event order, accumulation, and the forward/backward edge cases."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from fully_shard import FSDPModule, fully_shard, register_fsdp_forward_method, trace
+from tests.core.common import local_slice, shard_gpt
+from tests.distributed.counting import CountCollectives
+from tests.distributed.harness import distributed
+from tests.models import TinyGPT, batches, loss_fn
+
+
+@distributed(world_size=2)
+def _collective_counts() -> dict[str, Any]:
+    x, y = batches(1)[0]
+    out: dict[str, Any] = {}
+    for raf in (True, False):
+        torch.manual_seed(0)
+        model = shard_gpt(TinyGPT(), reshard_after_forward=raf)
+        for step in range(2):  # the second step runs with implicit prefetching
+            with CountCollectives() as fwd:
+                loss = loss_fn(model(local_slice(x)), local_slice(y))
+            with CountCollectives() as bwd:
+                loss.backward()
+            out[f"raf={raf} step={step}"] = (dict(fwd.counts), dict(bwd.counts))
+            groups = 4  # 3 blocks + root
+            assert fwd.counts == {"all_gather": groups}, fwd.counts
+            expected_bwd = {"reduce_scatter": groups}
+            if raf:
+                expected_bwd["all_gather"] = 3  # blocks re-gather; the root kept its params
+            assert bwd.counts == expected_bwd, bwd.counts
+    return out
+
+
+def test_collective_counts_per_forward_and_backward() -> None:
+    _collective_counts()
+
+
+@distributed(world_size=2)
+def _accumulation() -> None:
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = shard_gpt(copy.deepcopy(ref))
+    micro = batches(3, batch=4)
+    with CountCollectives() as mode:
+        for i, (x, y) in enumerate(micro):
+            model.set_requires_gradient_sync(i == len(micro) - 1)
+            loss_fn(model(local_slice(x)), local_slice(y)).backward()
+    assert mode.counts["reduce_scatter"] == 4, mode.counts  # once per group, not 3x
+    assert mode.counts["all_gather"] == 3 * 4 + 3 * 3, mode.counts  # forwards + backward re-gathers
+    for x, y in micro:
+        loss_fn(ref(x), y).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), dict(ref.named_parameters())[name].grad,
+                                   atol=2e-6, rtol=1e-4)
+
+
+def test_gradient_accumulation_reduces_once() -> None:
+    _accumulation()
+
+
+@distributed(world_size=2)
+def _event_order() -> list[list[str]]:
+    torch.manual_seed(0)
+    model = shard_gpt(TinyGPT())
+    x, y = batches(1)[0]
+    orders = []
+    for _ in range(2):
+        with trace.record() as events:
+            loss = loss_fn(model(local_slice(x)), local_slice(y))
+            loss.backward()
+        orders.append([e.short() for e in events if e.kind is not trace.EventKind.REDUCE_DONE])
+    first, second = orders
+    assert first == [
+        "all_gather <root>", "unshard <root>",
+        "all_gather blocks.0", "unshard blocks.0", "reshard blocks.0",
+        "all_gather blocks.1", "unshard blocks.1", "reshard blocks.1",
+        "all_gather blocks.2", "unshard blocks.2", "reshard blocks.2",
+        # backward: the root kept its params (reshard_after_forward=None -> False for the root)
+        "all_gather blocks.2", "unshard blocks.2", "reduce_scatter blocks.2", "reshard blocks.2",
+        "all_gather blocks.1", "unshard blocks.1", "reduce_scatter blocks.1", "reshard blocks.1",
+        "all_gather blocks.0", "unshard blocks.0", "reduce_scatter blocks.0", "reshard blocks.0",
+        "reduce_scatter <root>", "reshard <root>",
+    ], first
+    # from the second step on, the next unit's all-gather is issued before this unit's compute
+    assert second[:6] == ["all_gather <root>", "unshard <root>", "all_gather blocks.0",
+                          "unshard blocks.0", "all_gather blocks.1", "reshard blocks.0"], second
+    assert second.index("all_gather blocks.1", 12) < second.index("reduce_scatter blocks.2"), second
+    return orders
+
+
+def test_event_order_forward_backward_and_prefetch() -> None:
+    _event_order()
+
+
+class TwoHeads(nn.Module):
+    """Returns a dict (non-tensor container) with one unused output; one child is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.used = nn.Linear(8, 4)
+        self.unused_out = nn.Linear(8, 4)
+        self.never_called = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        h = self.body(x)
+        h = self.body(h)  # the same unit runs twice in one forward
+        return {"used": self.used(h), "aux": [self.unused_out(h)], "note": "not a tensor"}
+
+
+@distributed(world_size=2)
+def _edge_cases() -> None:
+    torch.manual_seed(0)
+    ref = TwoHeads()
+    model = copy.deepcopy(ref)
+    for name in ("body", "used", "unused_out", "never_called"):
+        fully_shard(getattr(model, name))
+    fully_shard(model)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        out = model(local_slice(x))
+        assert out["note"] == "not a tensor"
+        out["used"].pow(2).mean().backward()
+        ref(x)["used"].pow(2).mean().backward()
+    for child in ("unused_out", "never_called"):
+        assert all(p.grad is None for p in getattr(model, child).parameters()), child
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad.full_tensor(), dict(ref.named_parameters())[name].grad)
+        assert isinstance(p, DTensor), f"{name} left unsharded after backward"
+
+
+def test_multi_forward_unused_outputs_and_containers() -> None:
+    _edge_cases()
+
+
+class CheckpointedGPT(TinyGPT):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.tok(idx) + self.pos[: idx.shape[1]]
+        for blk in self.blocks:
+            h = checkpoint(blk, h, use_reentrant=False)
+        return self.head(self.norm(h))
+
+
+@distributed(world_size=2)
+def _checkpoint_and_no_grad() -> None:
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    torch.manual_seed(0)
+    model = shard_gpt(CheckpointedGPT())  # same seed, same constructor: same weights as ref
+    x, y = batches(1)[0]
+    loss_fn(model(local_slice(x)), local_slice(y)).backward()
+    loss_fn(ref(x), y).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), dict(ref.named_parameters())[name].grad,
+                                   atol=2e-6, rtol=1e-4)
+    with torch.no_grad():
+        out = model(local_slice(x))
+        torch.testing.assert_close(out, ref(local_slice(x)), atol=1e-5, rtol=1e-5)
+    assert all(isinstance(p, DTensor) for blk in model.blocks for p in blk.parameters())
+
+
+def test_activation_checkpointing_and_no_grad_forward() -> None:
+    _checkpoint_and_no_grad()
+
+
+class Generator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+    def generate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.lin(x))
+
+
+@distributed(world_size=2)
+def _user_methods() -> None:
+    torch.manual_seed(0)
+    ref = Generator()
+    model = fully_shard(copy.deepcopy(ref))
+    assert isinstance(model, FSDPModule) and type(model).__name__ == "FSDPGenerator"
+    register_fsdp_forward_method(model, "generate")
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(model.generate(x), ref.generate(x))
+    assert not isinstance(model.lin.weight, DTensor)  # the root keeps its params after forward
+    model.reshard()
+    model.set_reshard_after_forward(True)
+    torch.testing.assert_close(model.generate(x), ref.generate(x))
+    assert isinstance(model.lin.weight, DTensor)  # now resharded right after generate
+    handle = model.unshard(async_op=True)
+    assert handle is not None
+    handle.wait()
+    assert not isinstance(model.lin.weight, DTensor)
+    torch.testing.assert_close(model.lin.weight, ref.lin.weight)
+    model.reshard()
+    assert isinstance(model.lin.weight, DTensor)
+    assert "lin.weight f32[6@shard/2, 6] SHARDED" in model.fsdp_repr(), model.fsdp_repr()
+
+
+def test_register_forward_method_unshard_reshard_repr() -> None:
+    _user_methods()
+
+
+@distributed(world_size=2)
+def _explicit_prefetch() -> list[str]:
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = shard_gpt(copy.deepcopy(ref))
+    blocks = list(model.blocks)
+    for i, blk in enumerate(blocks):
+        blk.set_modules_to_forward_prefetch(blocks[i + 1:i + 3])
+        blk.set_modules_to_backward_prefetch(blocks[max(i - 2, 0):i][::-1])
+    x, y = batches(1)[0]
+    with trace.record() as events:
+        loss_fn(model(local_slice(x)), local_slice(y)).backward()
+    loss_fn(ref(x), y).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), dict(ref.named_parameters())[name].grad,
+                                   atol=2e-6, rtol=1e-4)
+    order = [e.short() for e in events]
+    # block 0 prefetches blocks 1 and 2 before it is resharded
+    assert order.index("all_gather blocks.2") < order.index("reshard blocks.0"), order
+    return order
+
+
+def test_explicit_prefetch_keeps_numerics() -> None:
+    _explicit_prefetch()
+
+
+@distributed(world_size=2)
+def _tied_params() -> None:
+    torch.manual_seed(0)
+    ref = TinyGPT(tied=True)
+    model = copy.deepcopy(ref)
+    assert model.head.weight is model.tok.weight
+    for blk in model.blocks:
+        fully_shard(blk)
+    fully_shard([model.tok, model.head])
+    fully_shard(model)
+    assert model.head.weight is model.tok.weight
+    counts = Counter(type(p).__name__ for p in model.parameters())
+    assert counts == {"DTensor": len(list(ref.parameters()))}, counts
+    x, y = batches(1)[0]
+    loss_fn(model(local_slice(x)), local_slice(y)).backward()
+    loss_fn(ref(x), y).backward()
+    torch.testing.assert_close(model.tok.weight.grad.full_tensor(), ref.tok.weight.grad, atol=2e-6, rtol=1e-4)
+
+
+def test_tied_parameters_as_one_unit() -> None:
+    _tied_params()
+
+
+def _loss_curve(model: nn.Module, steps: int = 3) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out = []
+    for x, y in batches(steps, batch=4):
+        loss = loss_fn(model(local_slice(x)), local_slice(y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    dist.barrier()
+    return out
