@@ -31,7 +31,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, world: int, port: int, sys_path: list[str], conn: Any) -> None:
+def _worker(rank: int, world: int, port: int, sys_path: list[str], conn: Any, backend: str) -> None:
     sys.path[:] = sys_path
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
@@ -43,7 +43,9 @@ def _worker(rank: int, world: int, port: int, sys_path: list[str], conn: Any) ->
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
     conn.send(("ready", None))
     while True:
         msg = conn.recv()
@@ -66,15 +68,16 @@ def _worker(rank: int, world: int, port: int, sys_path: list[str], conn: Any) ->
 class RankPool:
     """``world`` spawned processes that each joined one gloo process group."""
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, backend: str = "gloo") -> None:
         ctx = mp.get_context("spawn")
         port = _free_port()
         self.world = world
+        self.key = (world, backend)
         self.conns = []
         self.procs = []
         for rank in range(world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, world, port, list(sys.path), child), daemon=True)
+            proc = ctx.Process(target=_worker, args=(rank, world, port, list(sys.path), child, backend), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -115,7 +118,7 @@ class RankPool:
                 deadline = min(deadline, time.monotonic() + 5.0)
         if pending or errors:
             self.kill()
-            _POOLS.pop(self.world, None)
+            _POOLS.pop(self.key, None)
             lines = [f"{fn.__qualname__} failed on {self.world} ranks:"]
             for rank in sorted(pending):
                 lines.append(f"--- rank {rank}: no answer within the timeout ({timeout:.0f} s): hang?")
@@ -140,13 +143,13 @@ class RankPool:
         self.kill()
 
 
-_POOLS: dict[int, RankPool] = {}
+_POOLS: dict[tuple[int, str], RankPool] = {}
 
 
-def _pool(world: int) -> RankPool:
-    if world not in _POOLS:
-        _POOLS[world] = RankPool(world)
-    return _POOLS[world]
+def _pool(world: int, backend: str) -> RankPool:
+    if (world, backend) not in _POOLS:
+        _POOLS[(world, backend)] = RankPool(world, backend)
+    return _POOLS[(world, backend)]
 
 
 @atexit.register
@@ -157,18 +160,20 @@ def _close_pools() -> None:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
-              **kwargs: Any) -> list[Any]:
+              backend: str = "gloo", **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on every rank of a ``world_size`` pool; return per-rank results."""
-    return _pool(world_size).call(fn, args, kwargs, timeout)
+    return _pool(world_size, backend).call(fn, args, kwargs, timeout)
 
 
-def distributed(world_size: int, timeout: float = DEFAULT_TIMEOUT_S) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorate a module-level test: its body runs on ``world_size`` gloo ranks with a hard timeout."""
+def distributed(world_size: int, timeout: float = DEFAULT_TIMEOUT_S,
+                backend: str = "gloo") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a module-level test: its body runs on ``world_size`` ranks (gloo, or nccl for GPU
+    tests) with a hard timeout."""
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def test(*args: Any, **kwargs: Any) -> list[Any]:
-            return run_ranks(fn, world_size, *args, timeout=timeout, **kwargs)
+            return run_ranks(fn, world_size, *args, timeout=timeout, backend=backend, **kwargs)
 
         setattr(test, _RANK_FN_ATTR, fn)
         return test
