@@ -99,9 +99,9 @@ class FSDPModule:
         self._fsdp.backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted for torch-compat; the end-of-backward callback always finishes pending work."""
-        for state in self._fsdp_states(True):
-            state.is_last_backward = is_last_backward
+        """False: the end of the next backward does not wait for in-flight gradient reductions
+        (micro-batching); they finish on the next backward or forward. Set on the root."""
+        self._fsdp.is_last_backward = is_last_backward
 
     def fsdp_repr(self) -> str:
         """One line per managed parameter: ``blocks.0.up.weight f32[157@shard/2, 60] SHARDED``."""

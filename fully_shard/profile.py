@@ -306,14 +306,14 @@ class Profiler:
         collectives = [self._resolve(e, t_end) for e in self._events]
         units = {u["unit"]: UnitStats(u["unit"], gathered_bytes=u["gathered_bytes"]) for u in self.units()}
         for c in collectives:
-            stats = units.setdefault(c.unit, UnitStats(c.unit))
+            unit = units.setdefault(c.unit, UnitStats(c.unit))
             if c.kind == "all_gather":
-                target = {"forward": stats.all_gather_forward, "backward": stats.all_gather_backward}.get(
-                    c.phase, stats.all_gather_explicit)
+                target = {"forward": unit.all_gather_forward, "backward": unit.all_gather_backward}.get(
+                    c.phase, unit.all_gather_explicit)
             elif c.kind == "reduce_scatter":
-                target = stats.reduce_scatter
+                target = unit.reduce_scatter
             else:
-                target = stats.all_reduce
+                target = unit.all_reduce
             target.add(c)
         for fqn, mem in self._mem_samples.items():
             if fqn in units:

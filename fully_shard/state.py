@@ -254,7 +254,8 @@ class FSDPState:
                 if group.state is not GroupState.SHARDED and group.reshard_after_backward:
                     group.reshard()
             state.training_state = TrainingState.IDLE
-        root.comm.drain_reduces()
+        if self.is_last_backward:  # else finished by the next backward or the next forward
+            root.comm.drain_reduces()
         root.callback_queued = False
         root.order_frozen = True
 

@@ -26,11 +26,14 @@ remaining configurations are relaunched in fresh processes.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import datetime
 import gc
 import importlib
 import inspect
 import json
+import logging
 import math
 import os
 import statistics
@@ -39,7 +42,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,9 +92,14 @@ def load_object(spec: str, what: str) -> Any:
                          f"--{what} examples.train_gpt:build_{what}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    obj: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--{what} {spec}: expected an importable module:function, found {type(e).__name__}: "
+                         f"{e}. Fix: run from the directory the module is importable from (the current "
+                         f"directory is on the path), or install the package.") from e
     return obj
 
 
@@ -135,7 +143,8 @@ def shard_by_granularity(model: nn.Module, blocks: nn.ModuleList, k: int, *, res
     items = list(blocks)
     for i in range(0, len(items), k):
         group = items[i:i + k]
-        fully_shard(group if len(group) > 1 else group[0], reshard_after_forward=reshard_after_forward, **kwargs)
+        target: Any = group if len(group) > 1 else group[0]
+        fully_shard(target, reshard_after_forward=reshard_after_forward, **kwargs)
         units += 1
     fully_shard(model, **kwargs)
     return units + 1
@@ -170,7 +179,23 @@ def _to_device(x: Any, device: torch.device) -> Any:
 
 
 # --- worker side -------------------------------------------------------------------------------------
+def _release_memory(use_cuda: bool) -> None:
+    """Free what the previous configuration left: Python garbage, the CUDA cache, glibc's free heap."""
+    gc.collect()
+    if use_cuda:
+        torch.cuda.empty_cache()
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def _worker(spec: dict[str, Any]) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return int(record(_run_worker)(spec) or 0)  # an exception outside a configuration reaches the parent
+
+
+def _run_worker(spec: dict[str, Any]) -> int:
     """One rank of the sweep (the elastic launcher's entrypoint): runs every pending configuration."""
     import torch.distributed as dist
 
@@ -206,36 +231,46 @@ def _worker(spec: dict[str, Any]) -> int:
             f.write(json.dumps(record) + "\n")
             f.flush()
 
-    for raw in spec["configs"]:
-        cfg = TuneConfig(**raw)
+    def agree(tag: str, status: str) -> None:
+        """Wait (through the store, not a collective: a failed rank may have left peers inside one)
+        until every rank is done with ``tag``; if one is gone or stuck, leave: the parent relaunches."""
+        key = f"fully_shard.tune/{spec['attempt']}/{tag}"
+        store.set(f"{key}/{rank}", status)
+        try:
+            store.wait([f"{key}/{r}" for r in range(world)],
+                       datetime.timedelta(seconds=float(spec["agree_timeout_s"])))
+        except Exception:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(17)
+
+    configs = [TuneConfig(**raw) for raw in spec["configs"]]
+    if configs and not use_cuda:  # one unmeasured step first: one-time allocations (thread pools,
+        write({"id": configs[0].id, "event": "start", "t": time.time()})  # comm buffers) are not memory
+        pg = dist.new_group(backend=backend, timeout=timeout)
+        with contextlib.suppress(Exception):  # a crash here is charged to configs[0]
+            _measure(configs[0], dict(spec, warmup=1, steps=0), pg, device, model_fn, batch_fn, loss_fn, mp,
+                     0, profile, reset_peak_memory, peak_memory)
+        agree("warmup", "done")
+    for cfg in configs:
         write({"id": cfg.id, "event": "start", "t": time.time()})
         pg = dist.new_group(backend=backend, timeout=timeout)
-        gc.collect()
-        if use_cuda:
-            torch.cuda.empty_cache()
+        _release_memory(use_cuda)
         baseline = 0 if use_cuda else current_memory(device)
         result: dict[str, Any] = {"id": cfg.id, "event": "end", "rank": rank}
         try:
             result.update(_measure(cfg, spec, pg, device, model_fn, batch_fn, loss_fn, mp, baseline,
                                    profile, reset_peak_memory, peak_memory))
-        except BaseException as e:  # noqa: BLE001 - a bad configuration must not end the sweep
+        except BaseException as e:  # a bad configuration must not end the sweep
             kind = "out of memory" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
             result["error"] = f"{kind}: {e}".strip()[:2000]
             result["traceback"] = traceback.format_exc()[-4000:]
         result["t"] = time.time()
         write(result)
-        # Agree through the store (not a collective: a failed rank may have left peers inside one)
-        # that every rank is done with this configuration; if not, leave and let the parent relaunch.
-        key = f"fully_shard.tune/{spec['attempt']}/{cfg.id}"
-        store.set(f"{key}/{rank}", "error" if "error" in result else "ok")
-        try:
-            store.wait([f"{key}/{r}" for r in range(world)],
-                       datetime.timedelta(seconds=float(spec["agree_timeout_s"])))
-        except Exception:  # noqa: BLE001 - a peer is gone or stuck in a collective
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(17)
-        del pg  # abandoned on error: its sequence numbers may disagree between ranks
+        agree(str(cfg.id), "error" if "error" in result else "ok")
+        if "error" not in result:  # on error it is abandoned: its sequence numbers may disagree
+            dist.destroy_process_group(pg)
+        del pg
         gc.collect()
     dist.barrier()
     dist.destroy_process_group()
@@ -279,7 +314,9 @@ def _measure(cfg: TuneConfig, spec: dict[str, Any], pg: Any, device: torch.devic
         step()
     sync()
     reset_peak_memory(device)
-    times = []
+    times: list[float] = []
+    if int(spec["steps"]) == 0:
+        return {}
     with profile(model) as prof:
         for _ in range(int(spec["steps"])):
             sync()
@@ -298,7 +335,6 @@ def _measure(cfg: TuneConfig, spec: dict[str, Any], pg: Any, device: torch.devic
     dist.all_gather(peaks, torch.tensor([peak], dtype=torch.int64, device=device), group=pg)
     share = torch.tensor([summary["comm_share"], summary["comm_busy_share"]], dtype=torch.float64, device=device)
     dist.all_reduce(share, group=pg)
-    del model, optimizer
     return {"units": units, "step_times_s": times, "peak_bytes_per_rank": [int(p.item()) for p in peaks],
             "comm_share": float(share[0]) / world, "comm_busy_share": float(share[1]) / world,
             "bytes_over_model": summary["bytes_over_model"]}
@@ -335,8 +371,10 @@ def run_sweep(spec: dict[str, Any], configs: list[TuneConfig], world_size: int, 
     def poll() -> None:
         while not stop.wait(0.25):
             done = {r["id"] for r in _read_records(work_dir / _RECORDS.format(rank=0)) if r.get("event") == "end"}
-            bar.n = min(len(configs), len(done | set(results)))
-            bar.refresh()
+            n = min(len(configs), len(done | set(results)))
+            if n != bar.n:
+                bar.n = n
+                bar.refresh()
 
     watcher = threading.Thread(target=poll, daemon=True)
     watcher.start()
@@ -354,9 +392,11 @@ def run_sweep(spec: dict[str, Any], configs: list[TuneConfig], world_size: int, 
                 rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
                 logs_specs=DefaultLogsSpecs(log_dir=str(work_dir / "logs"), redirects=Std.ALL))
             failure = None
+            worker = importlib.import_module("fully_shard.tune")._worker  # picklable even under -m
             try:
-                elastic_launch(launch, _worker)(launch_spec)
-            except Exception as e:  # noqa: BLE001 - a rank died: record and relaunch the rest
+                with _quiet_launcher():
+                    elastic_launch(launch, worker)(launch_spec)
+            except Exception as e:  # a rank died: record and relaunch the rest
                 failure = e
             by_rank = [_read_records(work_dir / _RECORDS.format(rank=r)) for r in range(world_size)]
             progressed = False
@@ -403,20 +443,49 @@ def _result_from(cfg: TuneConfig, ends: list[dict[str, Any]]) -> TuneResult:
 
 def _error_of(ends: list[dict[str, Any]], starts: list[dict[str, Any]], world: int, failure: Exception | None) -> str:
     errors = sorted((r for r in ends if "error" in r), key=lambda r: r["t"])
-    if errors:  # the first error is the cause; later ones are usually peers losing their connection
-        first = errors[0]
-        return f"rank {first['rank']}: {first['error']}"
-    missing = world - len(ends)
-    why = _short_failure(failure) if failure is not None else "no result"
-    return f"{missing} rank(s) died or hung without a result ({why})"
+    answered = {r["rank"] for r in ends}
+    missing = [r for r in range(world) if r not in answered]
+    if missing:  # a rank died (crash, OOM kill) or hung: that is the cause; peers only lost it
+        codes = getattr(failure, "failures", None) or {}
+        how = ", ".join(f"rank {r}" + (f" exit code {codes[r].exitcode}" if r in codes else "") for r in missing)
+        msg = f"died or hung without a result: {how}"
+        if errors:
+            msg += f"; then rank {errors[0]['rank']}: {_one_line(errors[0]['error'])}"
+        return msg
+    first = errors[0]  # the first error is the cause; later ones are usually peers losing their connection
+    return f"rank {first['rank']}: {_one_line(first['error'])}"
+
+
+def _one_line(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _short_failure(e: Exception) -> str:
     failures = getattr(e, "failures", None)
     if failures:
-        parts = [f"rank {rank}: exit code {f.exitcode}" for rank, f in sorted(failures.items())]
+        parts = []
+        for rank, f in sorted(failures.items()):
+            message = f.message.get("message", "") if isinstance(f.message, dict) else str(f.message or "")
+            message = message.strip().splitlines()[-1] if message.strip() else ""
+            parts.append(f"rank {rank}: exit code {f.exitcode}" + (f" ({message})" if message else ""))
         return ", ".join(parts)
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+
+@contextlib.contextmanager
+def _quiet_launcher() -> Iterator[None]:
+    """The launcher logs every failed rank at length; the sweep reports failures itself."""
+    names = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 class _NoBar:
@@ -480,15 +549,15 @@ def format_table(results: list[TuneResult], budget_bytes: int | None, best: Tune
         mark = "<- recommended" if best is not None and r is best else ""
         if not r.ok:
             rows.append([str(c.blocks_per_unit), "-", str(c.reshard_after_forward), "-", "-", "-", "-", "-",
-                         "", f"FAILED: {(r.error or '')[:70]}"])
+                         "", f"FAILED: {(r.error or '')[:90]}"])
             continue
         fits = ("yes" if r.fits else "no") if budget_bytes is not None else ""
         rows.append([str(c.blocks_per_unit), str(r.units), str(c.reshard_after_forward), f"{(r.peak_bytes or 0) / 2**20:.1f}",
                      f"{(r.step_s or 0) * 1e3:.1f}", _pct(r.comm_share), _pct(r.comm_busy_share),
                      f"{r.bytes_over_model or 0:.2f}x", fits, mark])
-    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head) - 1)] + [0]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)).rstrip() for row in [head, *rows]]
-    lines.insert(1, "-" * len(lines[0]))
+    lines.insert(1, "-" * max(len(line) for line in lines[:1]))
     return "\n".join(lines)
 
 
@@ -565,9 +634,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    with torch.device("meta"):  # only to count the blocks: no memory, any size
-        model = load_object(args.model, "model")()
-    n_blocks = len(find_blocks(model, args.blocks))
+    try:
+        load_object(args.batch, "batch")
+        if args.loss:
+            load_object(args.loss, "loss")
+        with torch.device("meta"):  # only to count the blocks: no memory, any size
+            model = load_object(args.model, "model")()
+        n_blocks = len(find_blocks(model, args.blocks))
+    except ValueError as e:
+        raise SystemExit(f"fully_shard.tune: {e}") from None
     n_params = sum(p.numel() for p in model.parameters())
     del model
     ks = None

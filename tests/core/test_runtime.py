@@ -263,14 +263,34 @@ def test_tied_parameters_as_one_unit() -> None:
     _tied_params()
 
 
-def _loss_curve(model: nn.Module, steps: int = 3) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    out = []
-    for x, y in batches(steps, batch=4):
-        loss = loss_fn(model(local_slice(x)), local_slice(y))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
+@distributed(world_size=2)
+def _reshard_after_backward_and_last_backward() -> None:
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = shard_gpt(copy.deepcopy(ref))
+    micro = batches(2, batch=4)
+    model.set_reshard_after_backward(False)  # with no reshard after forward: gather once for all
+    model.set_reshard_after_forward(False)  # micro-batches
+    model.set_is_last_backward(False)
+    x, y = micro[0]
+    loss_fn(model(local_slice(x)), local_slice(y)).backward()
+    assert not isinstance(model.blocks[0].up.weight, DTensor)  # kept unsharded for the next micro-batch
+    with CountCollectives() as second:
+        model.set_is_last_backward(True)
+        x, y = micro[1]
+        loss_fn(model(local_slice(x)), local_slice(y)).backward()
+    assert "all_gather" not in second.counts, second.counts  # nothing re-gathered
+    for x, y in micro:
+        loss_fn(ref(x), y).backward()
+    model.reshard()
+    for blk in model.blocks:
+        blk.reshard()
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor), name
+        torch.testing.assert_close(p.grad.full_tensor(), dict(ref.named_parameters())[name].grad,
+                                   atol=2e-6, rtol=1e-4)
     dist.barrier()
-    return out
+
+
+def test_reshard_after_backward_false_and_is_last_backward() -> None:
+    _reshard_after_backward_and_last_backward()
