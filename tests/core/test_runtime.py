@@ -33,7 +33,8 @@ def _collective_counts() -> dict[str, Any]:
                 loss.backward()
             out[f"raf={raf} step={step}"] = (dict(fwd.counts), dict(bwd.counts))
             groups = 4  # 3 blocks + root
-            assert fwd.counts == {"all_gather": groups}, fwd.counts
+            once = 1 if step == 0 else 0  # lazy init's same-structure check (one tiny all-gather)
+            assert fwd.counts == {"all_gather": groups + once}, fwd.counts
             expected_bwd = {"reduce_scatter": groups}
             if raf:
                 expected_bwd["all_gather"] = 3  # blocks re-gather; the root kept its params
@@ -56,7 +57,8 @@ def _accumulation() -> None:
             model.set_requires_gradient_sync(i == len(micro) - 1)
             loss_fn(model(local_slice(x)), local_slice(y)).backward()
     assert mode.counts["reduce_scatter"] == 4, mode.counts  # once per group, not 3x
-    assert mode.counts["all_gather"] == 3 * 4 + 3 * 3, mode.counts  # forwards + backward re-gathers
+    # forwards + backward re-gathers + lazy init's one-time same-structure check
+    assert mode.counts["all_gather"] == 3 * 4 + 3 * 3 + 1, mode.counts
     for x, y in micro:
         loss_fn(ref(x), y).backward()
     for name, p in model.named_parameters():
