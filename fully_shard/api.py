@@ -51,7 +51,8 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
     storage_device = _storage_device(offload_policy, device)
     ignored = {id(p) for p in (ignored_params or ())}
     slots = _managed_slots(modules, ignored)
-    params = _shard_params(slots, mesh_info, device, storage_device, shard_placement_fn)
+    pin = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
+    params = _shard_params(slots, mesh_info, device, storage_device, shard_placement_fn, pin)
     for m in modules:
         _move_buffers(m, device)
     subgroup = _subgroup(mesh, mesh_info, reshard_after_forward)
@@ -171,7 +172,8 @@ def _walk_unowned(root: nn.Module) -> Iterable[tuple[str, nn.Module]]:
 
 def _shard_params(slots: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]], mesh_info: MeshInfo,
                   device: torch.device, storage_device: torch.device,
-                  shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None) -> list[ShardedParam]:
+                  shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None,
+                  pin_memory: bool) -> list[ShardedParam]:
     params = []
     for p, where in slots:
         module, name, fqn = where[0]
@@ -184,7 +186,8 @@ def _shard_params(slots: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str
             if placement is not None and placement != Shard(0):
                 raise NotImplementedError(f"shard_placement_fn returned {placement!r} for {fqn!r}; this library "
                                           "shards along dim 0 only. Fix: return None or Shard(0).")
-        sp = ShardedParam(module, name, fqn, p, mesh_info, storage_device)  # meta stays meta until to_empty
+        sp = ShardedParam(module, name, fqn, p, mesh_info, storage_device,  # meta stays meta until to_empty
+                          pin_memory=pin_memory)
         sp.slots = [(m, n) for m, n, _ in where]
         _set_owner(p, f"{type(module).__name__} (param {fqn!r})")
         params.append(sp)

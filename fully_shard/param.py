@@ -57,7 +57,7 @@ class ShardedParam:
     """One managed parameter: owns its sharded DTensor and its unsharded storage."""
 
     def __init__(self, module: nn.Module, name: str, fqn: str, param: nn.Parameter, mesh_info: MeshInfo,
-                 storage_device: torch.device) -> None:
+                 storage_device: torch.device, *, pin_memory: bool = False) -> None:
         self.module = module
         self.name = name
         self.slots: list[tuple[nn.Module, str]] = [(module, name)]  # every (module, attr) holding it
@@ -65,6 +65,7 @@ class ShardedParam:
         self.fqn = fqn  # relative to the root, once the root is known (lazy init)
         self.mesh_info = mesh_info
         self.storage_device = storage_device  # where the shard lives (CPU under offload)
+        self.pin_memory = pin_memory
         self.requires_grad = param.requires_grad
         self.global_shape = tuple(param.shape)
         self.layout = DimZeroLayout(self.global_shape, mesh_info.shard_world)
@@ -82,6 +83,8 @@ class ShardedParam:
         start, end = self.layout.row_range(self.mesh_info.shard_rank)
         local = data if self.layout.replicated else data[start:end]
         local = (local if local.is_meta else local.to(self.storage_device)).contiguous().clone()
+        if self.pin_memory and local.device.type == "cpu" and torch.accelerator.is_available():
+            local = local.pin_memory()  # CPU offload: pinned host memory for async H2D/D2H copies
         return self._wrap_local(local)
 
     def _wrap_local(self, local: torch.Tensor) -> DTensor:
