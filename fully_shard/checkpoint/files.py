@@ -221,6 +221,18 @@ def recover(path: str, cleanup: bool = True) -> list[str]:
     return actions
 
 
+def check_target(path: str) -> None:
+    """``save`` replaces only checkpoints (or an empty directory): never a user's file or directory."""
+    if not os.path.lexists(path):
+        return
+    if os.path.islink(path) or not os.path.isdir(path):
+        raise CheckpointError(f"{path} exists and is not a directory; save writes a checkpoint directory and "
+                              "will not replace it; fix: choose another path")
+    if not is_complete(path) and os.listdir(path):
+        raise CheckpointError(f"{path} exists and is not a fully_shard checkpoint (no {fmt.INDEX_FILE}); save "
+                              "replaces only checkpoints; fix: choose another path or remove the directory")
+
+
 def commit(tmp: str, path: str, nonce: str) -> None:
     """Rename the complete ``tmp`` directory onto ``path`` (moving an existing checkpoint aside first)."""
     parent = os.path.dirname(path) or "."

@@ -88,8 +88,19 @@ def describe(name: str, tensor: torch.Tensor) -> View:
     return View(name, tensor, tensor.detach(), dtype, shape, (0, fmt.rows_of(shape)), None)
 
 
+def ensure_sharded(model: nn.Module) -> None:
+    """Register every fully_shard unit's sharded DTensors (a unit left unsharded, e.g. after a forward
+    with reshard_after_forward=False, would otherwise show plain full tensors in its state_dict)."""
+    from ..module import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def model_views(model: nn.Module) -> tuple[list[View], dict[str, str]]:
     """Views of every state_dict entry (shared tensors once) and {alias fqn: stored fqn}."""
+    ensure_sharded(model)
     views: list[View] = []
     aliases: dict[str, str] = {}
     seen: dict[int, str] = {}
@@ -111,6 +122,7 @@ def param_fqns(model: nn.Module) -> dict[int, str]:
 
 def optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[tuple[str, torch.Tensor]]]:
     """[(fqn, param)] per param group; every optimizer parameter must belong to ``model``."""
+    ensure_sharded(model)
     fqns = param_fqns(model)
     groups = []
     for i, group in enumerate(optimizer.param_groups):
@@ -183,6 +195,7 @@ def get_model_state_dict(model: nn.Module, *, full: bool = False, cpu_offload: b
     if rank0_only and not full:
         raise ValueError("rank0_only=True needs full=True (a sharded state dict lives on every rank)")
     keep = not rank0_only or Comm().rank == 0
+    ensure_sharded(model)
     out: dict[str, torch.Tensor] = {}
     done: dict[int, torch.Tensor] = {}
     for fqn, tensor in model.state_dict(keep_vars=True).items():
@@ -226,6 +239,7 @@ def set_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     rows (other ranks may pass ``{}``). Collective for ``full=True``. Shapes must match; dtypes are cast.
     """
     comm = Comm()
+    ensure_sharded(model)
     targets = model.state_dict(keep_vars=True)
     expected = {k: _signature(v) for k, v in targets.items()}
     source_rank0 = full and comm.world > 1

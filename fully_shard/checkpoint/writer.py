@@ -194,12 +194,13 @@ def save(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.
         if comm.rank == 0:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             files.recover(path)
+            files.check_target(path)
             nonce = files.new_nonce()
             tmp = files.tmp_dir(path, nonce)
             os.mkdir(tmp)
     except BaseException as e:
         error = e
-    comm.agree(error, f"checkpoint.save({path!r}): preparing")
+    _agree_or_clean(comm, error, f"checkpoint.save({path!r}): preparing", tmp)
     shared_info = comm.broadcast_json({"nonce": nonce})
     nonce, tmp = shared_info["nonce"], files.tmp_dir(path, shared_info["nonce"])
     digests = comm.all_gather_json(plan.extra_digest)
@@ -213,7 +214,7 @@ def save(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.
             plan.skeleton["extra_per_rank"] = True
     except BaseException as e:
         error = e
-    comm.agree(error, f"checkpoint.save({path!r}): staging")
+    _agree_or_clean(comm, error, f"checkpoint.save({path!r}): staging", tmp)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     if async_save:
@@ -228,6 +229,16 @@ def save(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.
         error = e
     _commit(comm, path, tmp, nonce, plan, records, error, keep_last)
     return None
+
+
+def _agree_or_clean(comm: Comm, error: BaseException | None, phase: str, tmp: str) -> None:
+    """Agree on failure; on failure rank 0 removes the temporary directory (nothing was committed)."""
+    try:
+        comm.agree(error, phase)
+    except CheckpointError:
+        if comm.rank == 0 and tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _commit(comm: Comm, path: str, tmp: str, nonce: str, plan: _Plan, records: dict[str, dict[str, Any]],

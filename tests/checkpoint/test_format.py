@@ -196,7 +196,7 @@ def _doc() -> dict:
 def test_bad_index_is_rejected_with_the_key(mutate, message: str) -> None:
     doc = _doc()
     mutate(doc)
-    with pytest.raises(CheckpointError, match="x/index.json") as err:
+    with pytest.raises(CheckpointError, match=r"x/index\.json") as err:
         Index.parse(json.dumps(doc), "x/index.json")
     assert message in str(err.value), str(err.value)
 
@@ -226,11 +226,11 @@ def test_codec_round_trips_json_values(tree: object) -> None:
 def test_codec_tensors_numpy_and_nan() -> None:
     enc = Encoder("x/")
     rng = np.random.default_rng(0)
-    tree = {"rng": torch.get_rng_state(), "np": rng.integers(0, 9, 5).astype(np.uint32), "nan": math.nan,
+    tree: dict = {"rng": torch.get_rng_state(), "np": rng.integers(0, 9, 5).astype(np.uint32), "nan": math.nan,
             "__dunder": 1, "scalar": np.float32(1.5)}
     encoded = json.loads(json.dumps(enc.encode(tree, "extra"), allow_nan=False))
     assert sorted(tensor_refs(encoded)) == sorted(enc.tensors)
-    out = decode(encoded, enc.tensors.__getitem__)
+    out: dict = decode(encoded, enc.tensors.__getitem__)
     assert torch.equal(out["rng"], tree["rng"]) and np.array_equal(out["np"], tree["np"])
     assert math.isnan(out["nan"]) and out["__dunder"] == 1 and out["scalar"] == 1.5
 

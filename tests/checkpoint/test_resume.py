@@ -3,11 +3,13 @@ full state dicts, consolidation, optimizer state equality."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import Replicate, Shard
 
 from fully_shard import checkpoint
 from tests.checkpoint import common as C
@@ -46,10 +48,18 @@ def _resume_w3(path: str) -> dict:
 
 
 @distributed(world_size=1)
-def _resume_w1(path: str, sharded: bool) -> dict:
-    model, opt = _fresh(sharded=sharded)
+def _resume_w1(path: str) -> dict:
+    model, opt = _fresh()
     checkpoint.load(path, model, opt)
     return {"losses": C.train(model, opt, 3, 3)}
+
+
+def _resume_plain_here(path: str) -> list[float]:
+    """In the pytest process itself: no process group at all, an unwrapped nn.Module."""
+    assert not torch.distributed.is_initialized()
+    model, opt = _fresh(sharded=False)
+    checkpoint.load(path, model, opt)
+    return C.train(model, opt, 3, 3)
 
 
 def test_loss_continuity_2_to_3_and_to_1(tmp_path: Path) -> None:
@@ -58,8 +68,8 @@ def test_loss_continuity_2_to_3_and_to_1(tmp_path: Path) -> None:
     saved = _train_and_save(path)[0]
     ref = saved["uninterrupted"][3:]
     runs = {"same processes": saved["continued"], "3 ranks": _resume_w3(path)[0]["losses"],
-            "1 process (fully_shard)": _resume_w1(path, True)[0]["losses"],
-            "1 process (plain module)": _resume_w1(path, False)[0]["losses"]}
+            "1 rank (fully_shard)": _resume_w1(path)[0]["losses"],
+            "1 process (plain module, no process group)": _resume_plain_here(path)}
     assert saved["first"] == saved["uninterrupted"][:3]
     report = {name: max(abs(a - b) for a, b in zip(losses, ref)) for name, losses in runs.items()}
     print(f"\nloss continuity (steps 4-6, ref {ref}): max |diff| {report}")
@@ -131,8 +141,6 @@ def test_consolidate_equals_trained_weights(tmp_path: Path) -> None:
     names = [os.path.basename(p) for p in out]
     assert names[-1] == "model.safetensors.index.json" and len(names) > 3
     assert "model.safetensors" not in os.listdir(tmp_path / "hf")  # the single-file output was replaced
-    import json
-
     index = json.loads(Path(out[-1]).read_text())
     merged: dict[str, torch.Tensor] = {}
     for shard in out[:-1]:
@@ -148,7 +156,7 @@ def test_consolidate_equals_trained_weights(tmp_path: Path) -> None:
 def _hsdp_round_trip(tmp: str) -> dict:
     hsdp = C.hsdp_mesh(2, 2)
     model, opt = _fresh(seed=0, mesh=hsdp)
-    assert tuple(str(p) for p in next(iter(model.parameters())).placements) == ("Replicate()", "Shard(dim=0)")
+    assert tuple(next(iter(model.parameters())).placements) == (Replicate(), Shard(0))  # type: ignore[attr-defined]
     C.train(model, opt, 0, 2)
     truth, truth_opt = C.full_state(model), C.full_optim(model, opt)
     checkpoint.save(os.path.join(tmp, "hsdp"), model, opt, extra={"step": 2})
@@ -170,8 +178,6 @@ def test_hsdp_to_1d_and_back(tmp_path: Path) -> None:
     a, b, c = out["losses"]
     assert max(abs(x - y) for x, y in zip(a + a, b + c)) < TOL, out
     # Replicas are written once: the stored bytes are the logical bytes (plus headers), on every rank.
-    import json
-
     for name in ("hsdp", "flat"):
         index = json.loads((tmp_path / name / "index.json").read_text())
         logical = 0
@@ -184,3 +190,36 @@ def test_hsdp_to_1d_and_back(tmp_path: Path) -> None:
         assert logical <= stored < logical + 4 * 64 * 1024, (name, logical, stored)
         ranks = {f["rank"] for f in index["files"].values()}
         assert ranks == {0, 1, 2, 3}, ranks  # every rank shares the writing, replicas included
+
+
+@distributed(world_size=2)
+def _left_unsharded(tmp: str) -> None:
+    """reshard_after_forward=False leaves plain unsharded params registered after a forward: still sharded I/O."""
+    from fully_shard import fully_shard
+
+    def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = C.make_gpt(seed=seed)
+        for blk in model.blocks:
+            fully_shard(blk, reshard_after_forward=False)
+        fully_shard(model, reshard_after_forward=False)
+        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+    model, opt = build(0)
+    C.train(model, opt, 0, 1)
+    truth, truth_opt = C.full_state(model), C.full_optim(model, opt)
+    with torch.no_grad():
+        model(torch.zeros(2, 16, dtype=torch.long))  # leaves the units unsharded
+    checkpoint.save(os.path.join(tmp, "c"), model, opt)
+    assert all(hasattr(v, "placements") for k, v in checkpoint.get_model_state_dict(model).items() if k != "calib")
+    fresh, fresh_opt = build(5)
+    with torch.no_grad():
+        fresh(torch.zeros(2, 16, dtype=torch.long))
+    checkpoint.load(os.path.join(tmp, "c"), fresh, fresh_opt)
+    C.assert_same(C.full_state(fresh), truth, "model")
+    C.assert_same(C.full_optim(fresh, fresh_opt), truth_opt, "optimizer")
+    index = json.loads(Path(tmp, "c", "index.json").read_text())
+    assert len(index["model"]["tok.weight"]["chunks"]) == 2  # saved sharded, not as replicated full tensors
+
+
+def test_save_and_load_while_units_are_unsharded(tmp_path: Path) -> None:
+    _left_unsharded(str(tmp_path))

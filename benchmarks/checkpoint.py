@@ -1,0 +1,204 @@
+"""Checkpoint benchmark: fully_shard.checkpoint vs torch.distributed.checkpoint, taking turns on the same ranks.
+
+    python benchmarks/checkpoint.py                   # launches 2 ranks itself (gloo on CPU)
+    torchrun --nproc_per_node 2 benchmarks/checkpoint.py --rounds 5 --dir /fast/disk/tmp
+
+A ~52M-parameter GPT (vocab 32000, d=512, 6 blocks) sharded with fully_shard, plus its AdamW state
+(one step taken), is saved and loaded by this library (xxh3 digests on, as by default) and by DCP's
+FileSystemWriter/FileSystemReader (its defaults: one file per rank, fsync on). Each round runs both, in
+alternating order, into fresh directories; before every load the checkpoint's files are evicted from
+the page cache (posix_fadvise DONTNEED after fsync), so loads read the disk. The same run measures the
+disk's raw speed: every rank writes (and fsyncs) then reads back as many bytes as it checkpoints.
+Reports medians over rounds, time ratios ours/DCP (< 1 = faster), GB/s of checkpoint bytes, the share
+of our save spent hashing, and our load with and without digest verification.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _common import GPT, GPTConfig, init, launch_if_needed, loss_fn, machine, median, rank0_print, timed_max
+
+from fully_shard import fully_shard
+from fully_shard.checkpoint import files as ckpt_files
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nproc", type=int, default=2, help="ranks to launch when not under torchrun")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--blocks", type=int, default=6)
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/fully_shard-ckpt-bench"))
+    ap.add_argument("--json", type=Path, default=None)
+    return ap.parse_args()
+
+
+def evict(directory: Path) -> None:
+    """Drop a directory's (already fsynced) files from the page cache so the next read hits the disk."""
+    for root, _, names in os.walk(directory):
+        for name in names:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def dir_bytes(directory: Path) -> int:
+    return sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(directory) for n in ns)
+
+
+def raw_disk(directory: Path, nbytes: int) -> tuple[float, float]:
+    """(write+fsync, cold read) seconds for ``nbytes`` per rank, all ranks at once."""
+    path = directory / f"raw-{dist.get_rank()}"
+    block = os.urandom(64 << 20)
+
+    def write() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            left = nbytes
+            while left > 0:
+                left -= os.write(fd, memoryview(block)[: min(left, len(block))])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read() -> None:
+        buf = bytearray(64 << 20)
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+    w = timed_max(write, torch.device("cpu"))
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    r = timed_max(read, torch.device("cpu"))
+    path.unlink()
+    return w, r
+
+
+def main() -> None:
+    args = parse_args()
+    launch_if_needed(__file__, args.nproc)
+    device = init("gloo")
+    import torch.distributed.checkpoint as dcp
+
+    from fully_shard import checkpoint
+
+    rank = dist.get_rank()
+    cfg = GPTConfig(vocab=args.vocab, dim=args.dim, blocks=args.blocks, heads=8, seq=64)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    for blk in model.blocks:
+        fully_shard(blk)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, cfg.vocab, (2, cfg.seq))
+    loss_fn(model(x), x).backward()
+    opt.step()
+    opt.zero_grad()
+    local = sum(t.to_local().numel() * 4 for t in model.state_dict().values())
+    local += sum(v.to_local().numel() * v.element_size() if hasattr(v, "to_local") else v.numel() * v.element_size()
+                 for s in opt.state.values() for v in s.values())
+    root = args.dir
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+    dist.barrier()
+    rank0_print(f"# {machine()}; {dist.get_world_size()} ranks (gloo), {n_params / 1e6:.1f}M params + AdamW, "
+                f"~{local / 1e6:.0f} MB of state per rank; dir {root}")
+
+    hashing = [0.0]
+    real_digest = ckpt_files._digest_from_memory
+
+    def timed_digest(*a: Any, **k: Any) -> str:
+        t = time.perf_counter()
+        try:
+            return real_digest(*a, **k)
+        finally:
+            hashing[0] += time.perf_counter() - t
+
+    ckpt_files._digest_from_memory = timed_digest  # type: ignore[assignment]
+
+    def dcp_state() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": checkpoint.get_optimizer_state_dict(model, opt)}
+
+    results: dict[str, list[float]] = {k: [] for k in (
+        "ours_save", "ours_load", "ours_load_noverify", "dcp_save", "dcp_load", "raw_write", "raw_read", "hash")}
+    sizes: dict[str, int] = {}
+    for rnd in range(args.rounds):
+        w, r = raw_disk(root, local)
+        results["raw_write"].append(w)
+        results["raw_read"].append(r)
+        order = ["ours", "dcp"] if rnd % 2 == 0 else ["dcp", "ours"]
+        for name in order:
+            path = root / f"{name}-{rnd}"
+            if name == "ours":
+                hashing[0] = 0.0
+                results["ours_save"].append(timed_max(partial(checkpoint.save, path, model, opt), device))
+                h = torch.tensor([hashing[0]], dtype=torch.float64)
+                dist.all_reduce(h, op=dist.ReduceOp.MAX)
+                results["hash"].append(float(h.item()))
+                if rank == 0:
+                    evict(path)
+                results["ours_load"].append(timed_max(partial(checkpoint.load, path, model, opt), device))
+                if rank == 0:
+                    evict(path)
+                results["ours_load_noverify"].append(
+                    timed_max(partial(checkpoint.load, path, model, opt, verify=False), device))
+            else:
+                writer = dcp.FileSystemWriter(str(path))
+                results["dcp_save"].append(timed_max(partial(dcp.save, dcp_state(), storage_writer=writer), device))
+                if rank == 0:
+                    evict(path)
+                state = dcp_state()
+                reader = dcp.FileSystemReader(str(path))
+                results["dcp_load"].append(timed_max(partial(dcp.load, state, storage_reader=reader), device))
+            dist.barrier()
+            sizes[name] = dir_bytes(path)
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(path)
+    med = {k: median(v) for k, v in results.items()}
+    total_state = local * dist.get_world_size()
+    if rank == 0:
+        gb = 1e9
+        print(f"bytes on disk: ours {sizes['ours'] / gb:.3f} GB, DCP {sizes['dcp'] / gb:.3f} GB "
+              f"(state {total_state / gb:.3f} GB)")
+        print(f"raw disk (all ranks at once): write+fsync {total_state / med['raw_write'] / gb:.2f} GB/s, "
+              f"cold read {total_state / med['raw_read'] / gb:.2f} GB/s")
+        print(f"{'':28}{'ours':>10}{'DCP':>10}{'ours/DCP':>10}{'ours GB/s':>11}{'DCP GB/s':>10}")
+        for op in ("save", "load"):
+            o, d = med[f"ours_{op}"], med[f"dcp_{op}"]
+            print(f"{op + ' (s, median of ' + str(args.rounds) + ')':28}{o:10.3f}{d:10.3f}{o / d:10.2f}"
+                  f"{sizes['ours'] / o / gb:11.2f}{sizes['dcp'] / d / gb:10.2f}")
+        print(f"save: xxh3_128 digests take {med['hash']:.3f} s ({100 * med['hash'] / med['ours_save']:.1f}% of the "
+              f"save); load verify=False {med['ours_load_noverify']:.3f} s vs verify=True {med['ours_load']:.3f} s")
+        print(f"ours save reaches {sizes['ours'] / med['ours_save'] / (total_state / med['raw_write']):.0%} of the raw "
+              f"write speed; load {sizes['ours'] / med['ours_load'] / (total_state / med['raw_read']):.0%} of the "
+              "raw cold-read speed")
+        if args.json:
+            args.json.write_text(json.dumps({"machine": machine(), "params": n_params, "state_bytes": total_state,
+                                             "sizes": sizes, "runs": results, "median": med}, indent=2))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Commit protocol: async save overlapping training, overwrite, keep_last retention, interrupted-commit recovery."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from fully_shard import checkpoint
+from fully_shard.checkpoint import files
+from tests.checkpoint import common as C
+from tests.distributed.harness import distributed
+
+
+def _fresh(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = C.shard(C.make_gpt(seed=seed))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+@distributed(world_size=2)
+def _async_save(tmp: str) -> dict:
+    path = os.path.join(tmp, "async")
+    model, opt = _fresh(0)
+    C.train(model, opt, 0, 2)
+    before, before_opt = C.full_state(model), C.full_optim(model, opt)
+    real_write = files.write_file
+    writing = threading.Event()
+
+    def slow_write(*args: object, **kwargs: object) -> dict:
+        writing.set()
+        time.sleep(0.4)  # a slow disk, so that the overlap is observable
+        return real_write(*args, **kwargs)  # type: ignore[arg-type]
+
+    files.write_file = slow_write  # type: ignore[assignment]
+    try:
+        handle = checkpoint.save(path, model, opt, extra={"step": 2}, async_save=True)
+        assert handle is not None
+        C.train(model, opt, 2, 1)  # a training step while the files are written (it updates params in place)
+        overlapped = writing.is_set() and not handle.done()
+        exists_before_wait = os.path.exists(path)
+        handle.wait()
+        handle.wait()  # idempotent
+    finally:
+        files.write_file = real_write
+    after = C.full_state(model)
+    loaded, loaded_opt = _fresh(9)
+    assert checkpoint.load(path, loaded, loaded_opt) == {"step": 2}
+    C.assert_same(C.full_state(loaded), before, "async checkpoint holds the state at save() time")
+    C.assert_same(C.full_optim(loaded, loaded_opt), before_opt, "async optimizer state")
+    changed = any(not torch.equal(after[k], before[k]) for k in before)
+    # A load right after an async save waits for it (no race with an unfinished commit).
+    checkpoint.save(os.path.join(tmp, "async2"), model, opt, async_save=True)
+    checkpoint.load(os.path.join(tmp, "async2"), loaded, loaded_opt)
+    C.assert_same(C.full_state(loaded), after, "load after async save")
+    return {"overlapped": overlapped, "exists_before_wait": exists_before_wait, "changed": changed}
+
+
+def test_async_save_overlaps_a_training_step(tmp_path: Path) -> None:
+    for result in _async_save(str(tmp_path)):
+        assert result == {"overlapped": True, "exists_before_wait": False, "changed": True}, result
+
+
+@distributed(world_size=2)
+def _retention_and_overwrite(tmp: str) -> list[str]:
+    model, opt = _fresh(0)
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.join(tmp, "step-0"))  # same series name, no index.json: not a checkpoint, never touched
+        os.makedirs(os.path.join(tmp, "other"))
+    for step in range(1, 5):
+        C.train(model, opt, step, 1)
+        checkpoint.save(os.path.join(tmp, f"step-{step}"), model, opt, extra={"step": step}, keep_last=2)
+    # Overwriting a checkpoint in place is safe and leaves nothing behind.
+    last = C.full_state(model)
+    C.train(model, opt, 5, 1)
+    checkpoint.save(os.path.join(tmp, "step-4"), model, opt, extra={"step": 5}, keep_last=2)
+    fresh, fresh_opt = _fresh(3)
+    assert checkpoint.load(os.path.join(tmp, "step-4"), fresh, fresh_opt) == {"step": 5}
+    now = C.full_state(model)
+    C.assert_same(C.full_state(fresh), now, "overwritten checkpoint")
+    assert any(not torch.equal(now[k], last[k]) for k in now)
+    dist.barrier()
+    return sorted(os.listdir(tmp))
+
+
+def test_keep_last_and_overwrite(tmp_path: Path) -> None:
+    listing = _retention_and_overwrite(str(tmp_path))[0]
+    assert listing == ["other", "step-0", "step-3", "step-4"], listing
+
+
+def _save_gen(path: str, gen: float) -> None:
+    model = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(gen)
+    checkpoint.save(path, model, extra={"gen": gen})
+
+
+def _load_gen(path: str) -> float:
+    model = torch.nn.Linear(4, 3)
+    gen = checkpoint.load(path, model)["gen"]
+    assert all(bool((p == gen).all()) for p in model.parameters())
+    return gen
+
+
+def test_recovery_of_interrupted_commits(tmp_path: Path) -> None:
+    """The states a crash can leave on disk (single process), and what load / the next save make of them."""
+    path = str(tmp_path / "ckpt")
+    _save_gen(path, 1.0)
+    _save_gen(str(tmp_path / "new"), 2.0)
+    # Crash between "rename old aside" and "rename new in": path is missing, both complete siblings exist.
+    os.rename(path, files._sibling(path, "old", "ab12"))
+    os.rename(str(tmp_path / "new"), files.tmp_dir(path, "ab12"))
+    assert not os.path.exists(path)
+    assert _load_gen(path) == 2.0  # load finishes the commit
+    assert os.path.isdir(path)
+    # Crash before the index was written: an incomplete tmp dir never loads and the next save removes it.
+    os.makedirs(files.tmp_dir(path, "cd34"))
+    Path(files.tmp_dir(path, "cd34"), "model-rank00000.safetensors").write_bytes(b"half")
+    assert _load_gen(path) == 2.0
+    # Crash after the new checkpoint was renamed in, before the old one was deleted.
+    _save_gen(str(tmp_path / "older"), 0.5)
+    os.rename(str(tmp_path / "older"), files._sibling(path, "old", "ef56"))
+    assert _load_gen(path) == 2.0
+    _save_gen(path, 3.0)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # leftovers cleaned by the next save
+    assert _load_gen(path) == 3.0
+    # Only an old copy survives (path missing, no new tmp): it is restored rather than lost.
+    os.rename(path, files._sibling(path, "old", "0099"))
+    assert _load_gen(path) == 3.0
+
+
+@distributed(world_size=2)
+def _per_rank_extra(tmp: str) -> dict:
+    rank = dist.get_rank()
+    model, opt = _fresh(0)
+    path = os.path.join(tmp, "per-rank")
+    checkpoint.save(path, model, opt, extra={"rank": rank, "rng": torch.full((3,), rank), "shared": "same"})
+    return checkpoint.load(path, model, opt)
+
+
+def test_extra_state_that_differs_per_rank(tmp_path: Path) -> None:
+    out = _per_rank_extra(str(tmp_path))
+    for rank, extra in enumerate(out):  # same world size: each rank gets its own
+        assert extra["rank"] == rank and torch.equal(extra["rng"], torch.full((3,), rank)) and extra["shared"] == "same"
+    model = C.make_gpt(seed=4)  # another world size (one process): rank 0's, with a warning
+    with pytest.warns(UserWarning, match="differed between the 2 saving ranks"):
+        extra = checkpoint.load(tmp_path / "per-rank", model)
+    assert extra["rank"] == 0
+
+
+def test_tied_weights_are_stored_once(tmp_path: Path) -> None:
+    tied = C.make_gpt(seed=1, tied=True)
+    checkpoint.save(tmp_path / "tied", tied)
+    index = json.loads((tmp_path / "tied" / "index.json").read_text())
+    assert index["aliases"] == {"head.weight": "tok.weight"}
+    fresh = C.make_gpt(seed=2, tied=True)
+    checkpoint.load(tmp_path / "tied", fresh)
+    assert fresh.head.weight is fresh.tok.weight
+    C.assert_same(dict(fresh.state_dict()), dict(tied.state_dict()), "tied")
+    untied = C.make_gpt(seed=2)  # an untied model gets the shared tensor under both names
+    checkpoint.load(tmp_path / "tied", untied)
+    assert torch.equal(untied.head.weight, tied.tok.weight)
+    hf = checkpoint.consolidate(tmp_path / "tied", tmp_path / "hf")
+    untied.load_state_dict(load_file(hf[0]))  # both names present: strict load_state_dict works
+
+
+def test_parameters_that_are_views_of_one_buffer(tmp_path: Path) -> None:
+    """Parameters that are disjoint views of one flat buffer (saved without copies) save and load."""
+    flat = torch.randn(30)
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(flat[:10].view(2, 5))
+    model.b = torch.nn.Parameter(flat[10:])
+    checkpoint.save(tmp_path / "views", model)
+    other = torch.nn.Module()
+    other.a = torch.nn.Parameter(torch.zeros(2, 5))
+    other.b = torch.nn.Parameter(torch.zeros(20))
+    checkpoint.load(tmp_path / "views", other)
+    assert torch.equal(other.a, model.a) and torch.equal(other.b, model.b)

@@ -1,0 +1,178 @@
+"""Bad input: every case raises a clear CheckpointError on every rank (no hang, no partial load)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fully_shard import checkpoint
+from fully_shard.checkpoint import CheckpointError
+from tests.checkpoint import common as C
+from tests.distributed.harness import distributed
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset if offset >= 0 else os.path.getsize(path) + offset)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x55]))
+
+
+def _edit_index(d: str, edit: Callable[[dict], None]) -> None:
+    p = os.path.join(d, "index.json")
+    doc = json.loads(Path(p).read_text())
+    edit(doc)
+    Path(p).write_text(json.dumps(doc))
+
+
+def _set_header_len(path: str, n: int) -> None:
+    with open(path, "r+b") as f:
+        f.write(struct.pack("<Q", n))
+
+
+def _replace_with_file(d: str) -> None:
+    shutil.rmtree(d)
+    Path(d).write_text("hi")
+
+
+def _chunk_file(doc: dict, name: str) -> None:
+    doc["model"]["pos"]["chunks"][0]["file"] = name
+    doc["files"][name] = doc["files"].pop("model-rank00000.safetensors")
+
+
+M0, M1, O1 = "model-rank00000.safetensors", "model-rank00001.safetensors", "optim-rank00001.safetensors"
+
+# name -> (corrupt(dir), model kwargs, load kwargs, expected message fragments)
+CASES: dict[str, tuple[Callable[[str], object] | str | None, dict, dict, list[str]]] = {
+    "missing shard file": (lambda d: os.remove(os.path.join(d, M1)), {}, {}, [M1, "missing"]),
+    "truncated file": (lambda d: os.truncate(os.path.join(d, M0), os.path.getsize(os.path.join(d, M0)) - 7), {}, {},
+                       [M0, "truncated"]),
+    # Only rank 1 hashes optim-rank00001 and only rank 1 reads from it at W=2: rank 0 must fail too.
+    "flipped data byte (seen by one rank)": (lambda d: _flip(os.path.join(d, O1), -3), {}, {}, [O1, "digest"]),
+    "flipped header byte": (lambda d: _flip(os.path.join(d, M0), 8), {}, {"verify": False}, [M0, "not valid JSON"]),
+    "oversized header": (lambda d: _set_header_len(os.path.join(d, M0), 1 << 40), {}, {"verify": False},
+                         [M0, "oversized header"]),
+    "header longer than file": (lambda d: _set_header_len(os.path.join(d, M1), 10 << 20), {}, {"verify": False},
+                                [M1, "only"]),
+    "shape mismatch": (None, {"hidden": 150}, {}, ["dtype/shape differs", "blocks.0.up.weight: expected float32[150, 60], "
+                                                   "found F32[157, 60]".replace("float32", "F32")]),
+    "dtype mismatch": (None, {"dtype": torch.float64}, {}, ["dtype/shape differs", "tok.weight: expected F64[997, 60], "
+                                                            "found F32[997, 60]"]),
+    "missing keys (strict)": (None, {"n_blocks": 3}, {}, ["missing in checkpoint", "blocks.2.qkv.weight"]),
+    "unexpected keys (strict)": (None, {"n_blocks": 1}, {}, ["unexpected in checkpoint", "blocks.1.qkv.weight"]),
+    "file outside the checkpoint": (lambda d: _edit_index(d, lambda doc: _chunk_file(doc, "../model-rank00000.safetensors")),
+                                    {}, {}, ["'..'", "index.json"]),
+    "absolute file path": (lambda d: _edit_index(d, lambda doc: _chunk_file(doc, "/etc/passwd")), {}, {},
+                           ["absolute", "index.json"]),
+    "newer format version": (lambda d: _edit_index(d, lambda doc: doc.update(version=99)), {}, {},
+                             ["version 99", "upgrade fully_shard"]),
+    "malformed index": (lambda d: Path(d, "index.json").write_text('{"format": "fully_shard-checkpoint", "ver'), {}, {},
+                        ["not valid JSON", "index.json"]),
+    "not a checkpoint (no index)": (lambda d: os.remove(os.path.join(d, "index.json")), {}, {},
+                                    ["not a fully_shard checkpoint", "no index.json"]),
+    "not a checkpoint (no directory)": (lambda d: shutil.rmtree(d), {}, {}, ["no such checkpoint"]),
+    "not a checkpoint (a file)": (lambda d: _replace_with_file(d), {}, {}, ["is a file"]),
+    "optimizer state absent": ("no-optim", {}, {}, ["has no optimizer state"]),
+}
+
+
+def _model(kwargs: dict) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    kwargs = dict(kwargs)
+    dtype = kwargs.pop("dtype", None)
+    model = C.make_gpt(seed=5, **kwargs)
+    if dtype is not None:
+        model = model.to(dtype)
+    C.shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+@distributed(world_size=2)
+def _bad_inputs(tmp: str, names: list[str]) -> dict[str, str | None]:
+    rank = dist.get_rank()
+    good = os.path.join(tmp, "good")
+    model, opt = _model({})
+    C.train(model, opt, 0, 1)
+    checkpoint.save(good, model, opt, extra={"step": 1})
+    checkpoint.save(os.path.join(tmp, "no-optim"), model)
+    results: dict[str, str | None] = {}
+    for name in names:
+        corrupt, model_kwargs, load_kwargs, _ = CASES[name]
+        case = os.path.join(tmp, f"case-{names.index(name)}")
+        if corrupt == "no-optim":
+            case = os.path.join(tmp, "no-optim")
+        elif rank == 0:
+            shutil.copytree(good, case)
+            if callable(corrupt):
+                corrupt(case)
+        dist.barrier()
+        target, target_opt = _model(model_kwargs)
+        before = C.full_state(target)
+        try:
+            checkpoint.load(case, target, target_opt, **load_kwargs)
+            results[name] = None
+        except CheckpointError as e:
+            results[name] = str(e)
+        C.assert_same(C.full_state(target), before, f"{name}: model changed by a failed load")
+        assert not target_opt.state, f"{name}: optimizer changed by a failed load"
+    # The pool still works and the good checkpoint still loads.
+    target, target_opt = _model({})
+    assert checkpoint.load(good, target, target_opt) == {"step": 1}
+    C.assert_same(C.full_state(target), C.full_state(model), "good checkpoint")
+    # strict=False skips missing/unexpected keys and loads the rest.
+    small, small_opt = _model({"n_blocks": 1})
+    checkpoint.load(good, small, small_opt, strict=False)
+    want = {k: v for k, v in C.full_state(model).items() if not k.startswith("blocks.1.")}
+    C.assert_same(C.full_state(small), want, "strict=False")
+    return results
+
+
+def test_every_bad_input_fails_clearly_on_every_rank(tmp_path: Path) -> None:
+    names = list(CASES)
+    per_rank = _bad_inputs(str(tmp_path), names)
+    for name in names:
+        fragments = CASES[name][3]
+        for rank, results in enumerate(per_rank):
+            message = results[name]
+            assert message is not None, f"{name}: rank {rank} loaded without an error"
+            for fragment in fragments:
+                assert fragment in message, f"{name}: rank {rank}: {fragment!r} not in:\n{message}"
+            assert "fix" in message, message
+    print("\n" + per_rank[0]["shape mismatch"])  # type: ignore[operator]
+
+
+def test_single_process_errors(tmp_path: Path) -> None:
+    """Without a process group: bad save inputs and not-a-checkpoint paths."""
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(CheckpointError, match=r"extra\['fn'\]"):
+        checkpoint.save(tmp_path / "a", model, extra={"fn": print})
+    assert not (tmp_path / "a").exists() and not list(tmp_path.iterdir())  # nothing left behind
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        checkpoint.load(tmp_path / "nope", model)
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_text("x")
+    with pytest.raises(CheckpointError, match=r"torch\.distributed\.checkpoint"):
+        checkpoint.load(tmp_path / "dcp", model)
+    with pytest.raises(ValueError, match="keep_last"):
+        checkpoint.save(tmp_path / "b", model, keep_last=0)
+    # save never replaces what is not a checkpoint.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("precious")
+    with pytest.raises(CheckpointError, match="not a fully_shard checkpoint"):
+        checkpoint.save(tmp_path / "mine", model)
+    (tmp_path / "file").write_text("precious")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        checkpoint.save(tmp_path / "file", model)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "precious" == (tmp_path / "file").read_text()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temporary directory left
+    (tmp_path / "empty").mkdir()
+    checkpoint.save(tmp_path / "empty", model)  # an empty directory is fine
+    checkpoint.load(tmp_path / "empty", model)
