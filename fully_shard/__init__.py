@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import checkpoint
 from .api import fully_shard
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
@@ -16,6 +17,7 @@ __all__ = [
     "Phase",
     "ShardingStrategy",
     "UnshardHandle",
+    "checkpoint",
     "fully_shard",
     "register_fsdp_forward_method",
 ]

@@ -66,6 +66,8 @@ class FSDPState:
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook, prepend=False, with_kwargs=True)
+            module.register_state_dict_pre_hook(self._reshard_for_state_dict)
+            module.register_load_state_dict_pre_hook(self._reshard_for_state_dict)
 
     # --- lazy init ---------------------------------------------------------------------------------
     def lazy_init(self) -> None:
@@ -97,6 +99,12 @@ class FSDPState:
                 for p in state.group.params:
                     p.fqn = f"{state.fqn}.{p.local_fqn}" if state.fqn else p.local_fqn
         self.is_root = True
+
+    def _reshard_for_state_dict(self, *_: Any) -> None:
+        """``state_dict()``/``load_state_dict()`` between steps always see the sharded DTensors, even
+        after a forward that kept the parameters gathered (e.g. the root, or a no_grad forward)."""
+        if self.group is not None and self.training_state is TrainingState.IDLE:
+            self.group.reshard()
 
     @property
     def effective_reshard_after_forward(self) -> bool | int:
@@ -237,7 +245,7 @@ class FSDPState:
             return
         group.phase = trace.Phase.BACKWARD
         if group.state is GroupState.UNSHARDED:
-            group.reduce_grads()
+            group.reduce_grads(reshard_first=group.reshard_after_backward)
             if group.reshard_after_backward:
                 group.reshard()
 
@@ -250,7 +258,7 @@ class FSDPState:
             if group is not None:
                 group.phase = trace.Phase.BACKWARD
                 if group.has_unsharded_grads():
-                    group.reduce_grads()
+                    group.reduce_grads(reshard_first=group.reshard_after_backward)
                 if group.state is not GroupState.SHARDED and group.reshard_after_backward:
                     group.reshard()
             state.training_state = TrainingState.IDLE

@@ -88,10 +88,11 @@ def _event_order() -> list[list[str]]:
         "all_gather blocks.1", "unshard blocks.1", "reshard blocks.1",
         "all_gather blocks.2", "unshard blocks.2", "reshard blocks.2",
         # backward: the root kept its params (reshard_after_forward=None -> False for the root)
-        "all_gather blocks.2", "unshard blocks.2", "reduce_scatter blocks.2", "reshard blocks.2",
-        "all_gather blocks.1", "unshard blocks.1", "reduce_scatter blocks.1", "reshard blocks.1",
-        "all_gather blocks.0", "unshard blocks.0", "reduce_scatter blocks.0", "reshard blocks.0",
-        "reduce_scatter <root>", "reshard <root>",
+        # (a unit reshards as soon as its grads are taken, then reduce-scatters them: lower peak memory)
+        "all_gather blocks.2", "unshard blocks.2", "reshard blocks.2", "reduce_scatter blocks.2",
+        "all_gather blocks.1", "unshard blocks.1", "reshard blocks.1", "reduce_scatter blocks.1",
+        "all_gather blocks.0", "unshard blocks.0", "reshard blocks.0", "reduce_scatter blocks.0",
+        "reshard <root>", "reduce_scatter <root>",
     ], first
     # from the second step on, the next unit's all-gather is issued before this unit's compute
     assert second[:6] == ["all_gather <root>", "unshard <root>", "all_gather blocks.0",
@@ -296,3 +297,22 @@ def _reshard_after_backward_and_last_backward() -> None:
 
 def test_reshard_after_backward_false_and_is_last_backward() -> None:
     _reshard_after_backward_and_last_backward()
+
+
+@distributed(world_size=2)
+def _state_dict_after_unsharded_forward() -> None:
+    torch.manual_seed(0)
+    model = shard_gpt(TinyGPT())
+    x, _ = batches(1)[0]
+    with torch.no_grad():
+        model(local_slice(x))  # the root keeps its params gathered (reshard_after_forward=False)
+    assert not isinstance(model.tok.weight, DTensor)
+    sd = model.state_dict()
+    assert all(isinstance(v, DTensor) for v in sd.values()), [
+        k for k, v in sd.items() if not isinstance(v, DTensor)]
+    model.load_state_dict(sd)
+    assert isinstance(model.tok.weight, DTensor)
+
+
+def test_state_dict_reshards_first() -> None:
+    _state_dict_after_unsharded_forward()
