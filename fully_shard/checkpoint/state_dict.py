@@ -174,6 +174,8 @@ def shard_like(param: DTensor, full: torch.Tensor) -> DTensor:
 
 def _gather(value: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
     out = value.full_tensor() if isinstance(value, DTensor) else value.detach()
+    if isinstance(value, DTensor) and out.numel() and out.data_ptr() == value.to_local().data_ptr():
+        out = out.clone()  # a one-rank shard group (NO_SHARD) gathers to the live shard: snapshot it
     return out.cpu() if cpu_offload else out
 
 

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from fully_shard import MixedPrecisionPolicy
 from fully_shard.trace import Event, EventKind
-from tests.models import loss_fn
+from tests.models import batches, loss_fn
 
 
 def rank_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -140,3 +140,23 @@ def padded_numel(shape: tuple[int, ...], world: int) -> int:
 
 def unit_padded_numel(params: Iterable[torch.Tensor], world: int) -> int:
     return sum(padded_numel(tuple(p.shape), world) for p in params)
+
+
+def train_parity(model: nn.Module, ref: nn.Module, *, steps: int = 10, batch: int = 8, lr: float = 0.1,
+                 optim: type[torch.optim.Optimizer] = torch.optim.SGD) -> dict[str, float]:
+    """Train ``model`` (sharded, local batch slices) and ``ref`` (unsharded, the global batch) side by
+    side with the same optimizer; return the worst loss and parameter differences."""
+    opt = optim(model.parameters(), lr=lr)
+    ref_opt = optim(ref.parameters(), lr=lr)
+    loss_diff = 0.0
+    for x, y in batches(steps, batch=batch):
+        loss = loss_fn(model(local_slice(x)), local_slice(y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_diff = max(loss_diff, abs(global_mean(loss) - ref_loss.item()))
+    return {"loss_diff": loss_diff, "param_diff": max_param_diff(model, ref)}

@@ -206,3 +206,26 @@ def test_no_sync_accumulates_unsharded_grads_in_fp32() -> None:
         assert r["n_rs"] == 4  # one reduce-scatter per unit, only on the synced micro-batch
         assert r["diff"] < 1e-6, r
         assert r["diff_vs_bf16_accumulation"] > 10 * max(r["diff"], 1e-8), r  # the test can tell them apart
+
+
+@distributed(world_size=2)
+def _cast_forward_inputs(cast: bool) -> dict[str, object]:
+    lin = nn.Linear(8, 6)
+    fully_shard(lin, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=cast,
+                                                    output_dtype=torch.float64))
+    seen: list[torch.dtype] = []
+
+    def record_and_cast(_m: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        seen.append(args[0].dtype)  # what fully_shard's pre-forward handed on
+        return (args[0].to(torch.bfloat16),)
+
+    lin.register_forward_pre_hook(record_and_cast)
+    out = lin(torch.ones(3, 8))
+    return {"seen": seen, "out": out.dtype}
+
+
+@pytest.mark.parametrize("cast", [True, False])
+def test_cast_forward_inputs_and_output_dtype(cast: bool) -> None:
+    for r in _cast_forward_inputs(cast):
+        assert r["seen"] == [torch.bfloat16 if cast else torch.float32]
+        assert r["out"] == torch.float64  # output_dtype applies either way

@@ -1,0 +1,133 @@
+"""clip_grad_norm_: the global gradient norm over sharded (DTensor) and plain gradients, and clipping.
+
+Works across several meshes at once (e.g. HSDP units, plain FSDP units and ignored, unsharded
+parameters in one model). Each gradient contributes ``sum(|g|^p)`` (or ``max(|g|)``) of its local
+tensor, reduced only over the mesh dimensions it is *sharded* on: a ``Replicate()`` dimension (HSDP's
+replica dimension, a 0-dim parameter's placement) already holds the whole value on every rank and
+must not be counted twice. The result is a plain tensor with the same value on every rank, equal to
+the unsharded model's total norm (torch's utility can return a DTensor with a ``Partial`` placement
+that under-reports when logged with ``.item()``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+__all__ = ["clip_grad_norm_", "total_grad_norm"]
+
+# Mesh dimensions a contribution is summed over: ((mesh id, dim), ...); () for plain tensors.
+_ReduceKey = tuple[tuple[int, int], ...]
+
+
+def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
+                    norm_type: float = 2.0) -> torch.Tensor:
+    """Scale the gradients of ``parameters`` in place so their total ``norm_type``-norm is at most
+    ``max_norm``; return the total norm before clipping (a plain tensor, identical on every rank).
+
+    Same call as ``torch.nn.utils.clip_grad_norm_``. Every rank must pass the same parameters in the
+    same order (as with any collective). Gradients of plain (non-DTensor) parameters are taken as
+    replicated: all-reduce them yourself first if they differ across ranks.
+    """
+    max_norm = _check_positive("max_norm", max_norm,
+                               "Fix: pass the largest total gradient norm to allow, e.g. max_norm=1.0.")
+    params = _as_list(parameters)
+    total = total_grad_norm(params, norm_type)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return total
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for g in grads:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            local.mul_(coef.to(local.device, local.dtype))
+    return total
+
+
+def total_grad_norm(parameters: torch.Tensor | Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The total ``norm_type``-norm of all gradients of ``parameters`` (no clipping); see module doc."""
+    norm_type = _check_norm_type(norm_type)
+    params = _as_list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    out_device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
+    inf = math.isinf(norm_type)
+    # Per reduction key: the local contribution (sum of |g|^p, or max |g|) and the groups to reduce over.
+    partial: dict[_ReduceKey, torch.Tensor] = {}
+    groups: dict[_ReduceKey, list[tuple[dist.ProcessGroup, torch.device]]] = {}
+    for g in grads:
+        key, local, reduce_over = _local_and_groups(g)
+        value = _contribution(local.detach(), norm_type)
+        if key in partial:
+            acc = partial[key]
+            partial[key] = torch.maximum(acc, value.to(acc.device)) if inf else acc + value.to(acc.device)
+        else:
+            partial[key] = value
+            groups[key] = reduce_over
+    total: torch.Tensor | None = None
+    for key, value in partial.items():  # same insertion order on every rank: collectives match
+        for group, device in groups[key]:
+            value = value.to(device)
+            dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+        value = value.to(out_device)
+        total = value if total is None else (torch.maximum(total, value) if inf else total + value)
+    assert total is not None
+    return total if inf else total ** (1.0 / norm_type)
+
+
+def _local_and_groups(g: torch.Tensor) -> tuple[_ReduceKey, torch.Tensor,
+                                                  list[tuple[dist.ProcessGroup, torch.device]]]:
+    """The local tensor to take the norm of and the (group, device) pairs to sum it over."""
+    if not isinstance(g, DTensor):
+        return (), g, []
+    if any(p.is_partial() for p in g.placements):  # resolve pending sums before taking |g|^p
+        g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
+    mesh = g.device_mesh
+    device = torch.device(mesh.device_type) if mesh.device_type == "cpu" else _mesh_device(mesh.device_type)
+    dims = [d for d, p in enumerate(g.placements) if p.is_shard()]
+    key = tuple((id(mesh), d) for d in dims)
+    return key, g.to_local(), [(mesh.get_group(d), device) for d in dims]
+
+
+def _mesh_device(device_type: str) -> torch.device:
+    module: Any = getattr(torch, device_type)
+    return torch.device(device_type, module.current_device())
+
+
+def _contribution(local: torch.Tensor, norm_type: float) -> torch.Tensor:
+    if local.numel() == 0:  # an uneven dim-0 shard can be empty on the last ranks
+        return torch.zeros((), dtype=torch.float32, device=local.device)
+    x = local.float().abs()
+    if math.isinf(norm_type):
+        return x.max()
+    if norm_type == 1.0:
+        return x.sum()
+    if norm_type == 2.0:
+        return (x * x).sum()
+    return x.pow(norm_type).sum()
+
+
+def _as_list(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
+def _check_positive(name: str, value: float, fix: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a positive number, got {value!r}. {fix}") from None
+    if not number > 0 or math.isnan(number):
+        raise ValueError(f"{name} must be > 0, got {value!r}: a non-positive limit would zero (or flip) "
+                         f"every gradient. {fix}")
+    return number
+
+
+def _check_norm_type(norm_type: float) -> float:
+    return _check_positive("norm_type", norm_type,
+                           "Fix: use 2.0 (Euclidean), 1.0, float('inf') (max |g|) or another p > 0.")
