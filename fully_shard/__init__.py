@@ -4,20 +4,46 @@ from __future__ import annotations
 
 from . import checkpoint
 from .api import fully_shard
+from .clip import clip_grad_norm_, total_grad_norm
+from .init import default_init, materialize_meta_module
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
 from .trace import EventKind, Phase
+from .wrap import (
+    GranularityPolicy,
+    ModuleClassPolicy,
+    ParamCountPolicy,
+    PredicatePolicy,
+    UnitReport,
+    WrapPlan,
+    auto_wrap,
+    plan_wrap,
+    strategy_kwargs,
+)
 
 __all__ = [
     "CPUOffloadPolicy",
     "EventKind",
     "FSDPModule",
+    "GranularityPolicy",
     "MixedPrecisionPolicy",
+    "ModuleClassPolicy",
     "OffloadPolicy",
+    "ParamCountPolicy",
     "Phase",
+    "PredicatePolicy",
     "ShardingStrategy",
+    "UnitReport",
     "UnshardHandle",
+    "WrapPlan",
+    "auto_wrap",
     "checkpoint",
+    "clip_grad_norm_",
+    "default_init",
     "fully_shard",
+    "materialize_meta_module",
+    "plan_wrap",
     "register_fsdp_forward_method",
+    "strategy_kwargs",
+    "total_grad_norm",
 ]
