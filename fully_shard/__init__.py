@@ -8,6 +8,7 @@ from .clip import clip_grad_norm_, total_grad_norm
 from .init import default_init, materialize_meta_module
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
+from .profile import Profiler, profile
 from .trace import EventKind, Phase
 from .wrap import (
     GranularityPolicy,
@@ -32,6 +33,7 @@ __all__ = [
     "ParamCountPolicy",
     "Phase",
     "PredicatePolicy",
+    "Profiler",
     "ShardingStrategy",
     "UnitReport",
     "UnshardHandle",
@@ -43,6 +45,7 @@ __all__ = [
     "fully_shard",
     "materialize_meta_module",
     "plan_wrap",
+    "profile",
     "register_fsdp_forward_method",
     "strategy_kwargs",
     "total_grad_norm",

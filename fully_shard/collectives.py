@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .layout import FlatLayout
 from .param import ShardedParam
@@ -77,24 +78,25 @@ def reduce_scatter_copy_in(grads: Sequence[torch.Tensor | None], params: Sequenc
                            flat: FlatLayout, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Pack unsharded grads into a ``(world, shard_numel)`` buffer of ``dtype``; row r goes to rank r.
 
-    Missing grads and padding are zeros. A replicated (0-dim) parameter's grad is written into every
-    rank's row, so the reduce-scatter sums it over ranks like an all-reduce would.
+    One ``torch.cat`` along dim 1 of ``(world, size)`` views (it casts to ``dtype`` on the way); only a
+    grad whose rows do not fill the padded layout is copied once to pad it. Missing grads are zeros.
+    A replicated (0-dim) parameter's grad is written into every rank's row, so the reduce-scatter sums
+    it over ranks like an all-reduce would.
     """
     world = flat.world
-    buf = torch.zeros(world, flat.shard_numel, dtype=dtype, device=device)
-    for grad, p, offset, size in zip(grads, params, flat.offsets, flat.sizes):
+    pieces = []
+    for grad, p, size in zip(grads, params, flat.sizes):
         if grad is None:
-            continue
-        if p.layout.replicated:
-            buf[:, offset].copy_(grad.reshape(()))
-            continue
-        src = grad.reshape(-1)
-        full_rows, rem = divmod(src.numel(), size) if size else (0, 0)
-        dst = buf[:, offset:offset + size]
-        if full_rows:
-            dst[:full_rows].copy_(src[:full_rows * size].view(full_rows, size))
-        if rem:
-            dst[full_rows, :rem].copy_(src[full_rows * size:])
+            pieces.append(torch.zeros(world, size, dtype=dtype, device=device))
+        elif p.layout.replicated:
+            pieces.append(grad.reshape(1, 1).expand(world, 1))
+        else:
+            src = grad.reshape(-1)
+            pad = world * size - src.numel()
+            pieces.append((F.pad(src, (0, pad)) if pad else src).view(world, size))
+    buf = torch.empty(world, flat.shard_numel, dtype=dtype, device=device)
+    if pieces:
+        torch.cat(pieces, dim=1, out=buf)
     return buf.view(-1)
 
 

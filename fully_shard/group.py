@@ -219,8 +219,11 @@ class ParamGroup:
         return any(p.unsharded_param is not None and p.unsharded_param.grad is not None
                    for p in self.grad_params)
 
-    def reduce_grads(self) -> None:
-        """Post-backward: reduce-scatter the unsharded grads (or stash them when sync is off)."""
+    def reduce_grads(self, *, reshard_first: bool = False) -> None:
+        """Post-backward: reduce-scatter the unsharded grads (or stash them when sync is off).
+
+        ``reshard_first``: free the unsharded params once their grads are taken, before the reduce
+        buffers are allocated (as torch's FSDP2 does): the peak holds one unit's params less."""
         params = self.grad_params
         if not params:
             return
@@ -231,6 +234,8 @@ class ParamGroup:
         grads = [p.take_unsharded_grad() for p in params]
         if all(g is None for g in grads):
             return
+        if reshard_first:
+            self.reshard()
         flat = FlatLayout(tuple(p.layout for p in params))
         ctx = self.comm
         with torch.no_grad():

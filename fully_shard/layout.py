@@ -11,13 +11,16 @@ in the flat buffers they occupy ``numel = 1`` slot on every rank (see design/sha
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class DimZeroLayout:
-    """Where one tensor's rows live when it is sharded along dim 0 over ``world`` ranks."""
+    """Where one tensor's rows live when it is sharded along dim 0 over ``world`` ranks.
+
+    Frozen, so the derived sizes are cached properties (they are read on every unshard and reduce)."""
 
     shape: tuple[int, ...]
     world: int
@@ -28,25 +31,25 @@ class DimZeroLayout:
         if any(s < 0 for s in self.shape):
             raise ValueError(f"shape must be non-negative, got {self.shape}")
 
-    @property
+    @functools.cached_property
     def replicated(self) -> bool:
         """0-dim tensors are replicated on every rank instead of sharded."""
         return len(self.shape) == 0
 
-    @property
+    @functools.cached_property
     def rows(self) -> int:
         return self.shape[0] if self.shape else 1
 
-    @property
+    @functools.cached_property
     def row_numel(self) -> int:
         """Elements in one dim-0 row (product of the inner dims)."""
         return math.prod(self.shape[1:]) if self.shape else 1
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def chunk_rows(self) -> int:
         """Rows every rank reserves in the padded layout: ceil(rows / world) (torch.chunk)."""
         if self.replicated:
@@ -72,12 +75,12 @@ class DimZeroLayout:
             return ()
         return (self.local_rows(rank), *self.shape[1:])
 
-    @property
+    @functools.cached_property
     def padded_shard_numel(self) -> int:
         """Elements every rank contributes to a flat collective buffer (local shard + padding)."""
         return self.chunk_rows * self.row_numel
 
-    @property
+    @functools.cached_property
     def padded_numel(self) -> int:
         """Elements of the padded unsharded tensor: world * padded_shard_numel (1 if replicated)."""
         return 1 if self.replicated else self.world * self.padded_shard_numel
@@ -109,11 +112,11 @@ class FlatLayout:
     def world(self) -> int:
         return self.tensors[0].world if self.tensors else 1
 
-    @property
+    @functools.cached_property
     def sizes(self) -> tuple[int, ...]:
         return tuple(t.padded_shard_numel for t in self.tensors)
 
-    @property
+    @functools.cached_property
     def offsets(self) -> tuple[int, ...]:
         out, acc = [], 0
         for size in self.sizes:
@@ -121,12 +124,12 @@ class FlatLayout:
             acc += size
         return tuple(out)
 
-    @property
+    @functools.cached_property
     def shard_numel(self) -> int:
         """Elements of one rank's segment (the input of all-gather, the output of reduce-scatter)."""
         return sum(self.sizes)
 
-    @property
+    @functools.cached_property
     def total_numel(self) -> int:
         """Elements of the gathered buffer (world segments)."""
         return self.world * self.shard_numel

@@ -116,8 +116,10 @@ class ShardedParam:
         if not local.is_meta and local.device != self.storage_device:
             # e.g. meta init + CPU offload: to_empty(device="cuda") put the shard on the device. Swap
             # in place so the Parameter object (which an optimizer may already hold) stays the same.
-            moved = self._wrap_local(local.detach().to(self.storage_device))
-            torch.utils.swap_tensors(self.sharded_param, moved)
+            host = local.detach().to(self.storage_device)
+            if self.pin_memory and host.device.type == "cpu" and torch.accelerator.is_available():
+                host = host.pin_memory()
+            torch.utils.swap_tensors(self.sharded_param, self._wrap_local(host))
 
     def copy_in_parts(self) -> list[torch.Tensor]:
         """Flat pieces that make this rank's padded shard: the local shard, then zero padding."""
@@ -132,9 +134,8 @@ class ShardedParam:
             local_grad = local_grad.to(self.storage_device, non_blocking=True)
         existing = self.sharded_param.grad
         if not isinstance(existing, DTensor):
-            placements = self.sharded_param.placements
             self.sharded_param.grad = DTensor.from_local(
-                local_grad, self.mesh_info.mesh, placements, run_check=False,
+                local_grad, self.mesh_info.mesh, self.sharded_param.placements, run_check=False,
                 shape=torch.Size(self.global_shape), stride=_contiguous_stride(self.global_shape))
         else:
             with torch.no_grad():

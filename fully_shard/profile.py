@@ -16,10 +16,13 @@ the process's peak memory (CUDA allocator peak on GPU; peak RSS on CPU)::
     prof.export_chrome_trace("trace.json")   # chrome://tracing or ui.perfetto.dev
 
 Times: on CPU a collective's time runs from its issue to its completion (stamped by the c10d work's
-future callback), and its exposed time is the host time blocked in ``wait``. On accelerators both
-come from timing events: on the collective's stream around it, and on the compute stream where it
-is waited (exposed = how long the compute stream had to wait); ``step()`` synchronizes the device.
-With no profiler active the library pays one list truthiness check per event.
+future callback; for works without a future, such as gloo's reduce-scatter, to the end of its wait),
+and its exposed time is the host time blocked in ``wait``. On accelerators both come from timing
+events: on the collective's stream around it, and on the compute stream where it is waited (exposed
+= how long the compute stream had to wait); ``step()`` synchronizes the device. Memory: each step is
+its own peak window (the CUDA peak stats or the kernel's VmHWM are reset when a step begins), so
+``max(s.peak_memory for s in prof.steps)`` is the peak of the run. With no profiler active the
+library pays one list truthiness check per event (~60 ns; a few dozen per step).
 """
 
 from __future__ import annotations
@@ -246,6 +249,7 @@ class Profiler:
                 "unit": group.fqn,
                 "gathered_bytes": group.unsharded_nbytes,
                 "param_bytes": sum(p.layout.numel for p in group.params) * group.param_dtype.itemsize,
+                "grad_bytes": sum(p.layout.numel for p in group.grad_params) * group.reduce_dtype.itemsize,
                 "params": len(group.params),
                 "reshard_after_forward": raf if isinstance(raf, bool) else int(raf),
             })
@@ -357,11 +361,12 @@ class Profiler:
     def expected_bytes_ratio(self) -> float:
         """All-gather + reduce-scatter bytes per step over the model bytes if every unit ran forward and
         backward once: 1x gathered in forward, again in backward for units resharded after forward, 1x
-        reduce-scattered (ignoring padding)."""
+        reduce-scattered (at the reduce dtype: 2x the bytes of bf16 params reduced in fp32), no padding."""
         units = self.units()
         total = sum(u["param_bytes"] for u in units) or 1
         regather = sum(u["param_bytes"] for u in units if u["reshard_after_forward"] is not False)
-        return 2.0 + regather / total
+        reduced = sum(u["grad_bytes"] for u in units)
+        return (total + regather + reduced) / total
 
     def summary(self, skip_first: int = 0) -> dict[str, Any]:
         """Step summary over the recorded steps (median step time; means for the rest)."""
@@ -458,7 +463,8 @@ class Profiler:
             f"reduce-scatter {_fmt_bytes(s['reduce_scatter_bytes'])}"
             + (f"; all-reduce {_fmt_bytes(s['all_reduce_bytes'])}" if s["all_reduce_bytes"] else "")
             + f") = {s['bytes_over_model']:.2f}x the model ({_fmt_bytes(s['model_bytes'])}); "
-            f"expected {s['expected_bytes_over_model']:.2f}x (2x, +1x for units resharded after forward)",
+            f"expected {s['expected_bytes_over_model']:.2f}x (2x, +1x for units resharded after forward)"
+            + (f"; the gradients are reduced in {_reduce_dtypes(self)}" if _reduce_dtypes(self) else ""),
             f"peak memory ({s['memory_kind']}) {peak}",
         ]
 
@@ -537,6 +543,13 @@ class Profiler:
 def profile(model: nn.Module) -> Profiler:
     """Profile the fully_shard units of ``model``: ``with profile(model) as prof: ...``."""
     return Profiler(model)
+
+
+def _reduce_dtypes(prof: Profiler) -> str:
+    """The reduce dtypes that differ from the all-gather dtype ("" when none do)."""
+    names = sorted({str(s.group.reduce_dtype).replace("torch.", "") for s in prof._states()
+                    if s.group is not None and s.group.reduce_dtype != s.group.param_dtype})
+    return ", ".join(names)
 
 
 def _unit_dict(u: UnitStats) -> dict[str, Any]:

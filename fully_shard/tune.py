@@ -15,7 +15,8 @@ Factories: ``--model pkg.mod:fn`` returns the (unsharded) model; ``--batch pkg.m
 ``(inputs, targets)`` or ``inputs`` and may take the rank as its one argument. The loss is
 ``--loss pkg.mod:fn(output, targets)`` or, by default, cross-entropy for integer targets, mean squared
 error for float targets, and ``output.float().pow(2).mean()`` without targets. The blocks are the
-``nn.ModuleList`` named by ``--blocks`` (default: the largest ModuleList in the model).
+children of the ``nn.ModuleList`` named by ``--blocks`` (default: the largest ModuleList/Sequential of
+same-class modules); the units are made by ``wrap.auto_wrap`` with a ``GranularityPolicy``.
 
 A configuration that fails (an exception, an out-of-memory error, a rank that dies or hangs) is
 recorded with its error and the sweep goes on: each configuration runs in its own process group, the
@@ -103,19 +104,18 @@ def load_object(spec: str, what: str) -> Any:
     return obj
 
 
-def find_blocks(model: nn.Module, attr: str | None = None) -> nn.ModuleList:
-    """The repeated blocks the tuner groups: ``model.<attr>``, or the largest ModuleList."""
+def find_blocks(model: nn.Module, attr: str | None = None) -> list[nn.Module]:
+    """The repeated blocks the tuner groups, in forward order: the children of ``model.<attr>`` or, by
+    default, of the largest ModuleList/Sequential of same-class modules (``wrap.GranularityPolicy``)."""
+    from .wrap import GranularityPolicy
+
     if attr:
         found = model.get_submodule(attr)
-        if not isinstance(found, nn.ModuleList):
-            raise ValueError(f"--blocks {attr!r}: expected an nn.ModuleList, found {type(found).__name__}. "
+        if not isinstance(found, (nn.ModuleList, nn.Sequential)) or len(found) == 0:
+            raise ValueError(f"--blocks {attr!r}: expected a non-empty nn.ModuleList, found {type(found).__name__}. "
                              "Fix: name the ModuleList holding the transformer blocks (e.g. 'layers').")
-        return found
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if not lists:
-        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of blocks to group. Fix: keep the "
-                         "blocks in an nn.ModuleList, or pass --blocks <name of the ModuleList>.")
-    return max(lists, key=len)
+        return list(found)
+    return [m for _, m in GranularityPolicy(1).blocks(model)]
 
 
 def granularities(n_blocks: int) -> list[int]:
@@ -133,21 +133,16 @@ def sweep_configs(n_blocks: int, ks: Sequence[int] | None = None,
     return [TuneConfig(i, k, raf) for i, (k, raf) in enumerate((k, raf) for k in ks for raf in reshard)]
 
 
-def shard_by_granularity(model: nn.Module, blocks: nn.ModuleList, k: int, *, reshard_after_forward: bool,
+def shard_by_granularity(model: nn.Module, blocks: Sequence[nn.Module], k: int, *, reshard_after_forward: bool,
                          **kwargs: Any) -> int:
-    """Shard ``k`` consecutive blocks per unit (one fully_shard call on the list), then the root.
-    Returns the number of units."""
-    from .api import fully_shard
+    """``k`` consecutive blocks per unit (``wrap.auto_wrap`` with a ``GranularityPolicy`` over the blocks'
+    class), the rest of the model the root unit. Returns the number of units."""
+    from .wrap import GranularityPolicy, auto_wrap
 
-    units = 0
-    items = list(blocks)
-    for i in range(0, len(items), k):
-        group = items[i:i + k]
-        target: Any = group if len(group) > 1 else group[0]
-        fully_shard(target, reshard_after_forward=reshard_after_forward, **kwargs)
-        units += 1
-    fully_shard(model, **kwargs)
-    return units + 1
+    classes = frozenset({type(b) for b in blocks})
+    plan = auto_wrap(model, GranularityPolicy(k, block_classes=classes), reshard_after_forward=reshard_after_forward,
+                     **kwargs)
+    return len(plan.units)
 
 
 def default_loss(output: Any, targets: Any) -> torch.Tensor:
@@ -199,7 +194,7 @@ def _run_worker(spec: dict[str, Any]) -> int:
     """One rank of the sweep (the elastic launcher's entrypoint): runs every pending configuration."""
     import torch.distributed as dist
 
-    from .profile import current_memory, peak_memory, profile, reset_peak_memory
+    from .profile import current_memory, profile
 
     for p in spec.get("sys_path", []):
         if p not in sys.path:
@@ -210,6 +205,8 @@ def _run_worker(spec: dict[str, Any]) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
         torch.set_num_threads(int(spec.get("threads", 1)))
+        with contextlib.suppress(OSError, AttributeError):  # forked ranks: what MALLOC_MMAP_THRESHOLD_=65536
+            ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # does at startup (M_MMAP_THRESHOLD): RSS ~ live
     timeout = datetime.timedelta(seconds=float(spec["timeout_s"]))
     dist.init_process_group(backend, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -250,7 +247,7 @@ def _run_worker(spec: dict[str, Any]) -> int:
         pg = dist.new_group(backend=backend, timeout=timeout)
         with contextlib.suppress(Exception):  # a crash here is charged to configs[0]
             _measure(configs[0], dict(spec, warmup=1, steps=0), pg, device, model_fn, batch_fn, loss_fn, mp,
-                     0, profile, reset_peak_memory, peak_memory)
+                     0, profile)
         agree("warmup", "done")
     for cfg in configs:
         write({"id": cfg.id, "event": "start", "t": time.time()})
@@ -260,7 +257,7 @@ def _run_worker(spec: dict[str, Any]) -> int:
         result: dict[str, Any] = {"id": cfg.id, "event": "end", "rank": rank}
         try:
             result.update(_measure(cfg, spec, pg, device, model_fn, batch_fn, loss_fn, mp, baseline,
-                                   profile, reset_peak_memory, peak_memory))
+                                   profile))
         except BaseException as e:  # a bad configuration must not end the sweep
             kind = "out of memory" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
             result["error"] = f"{kind}: {e}".strip()[:2000]
@@ -272,14 +269,17 @@ def _run_worker(spec: dict[str, Any]) -> int:
             dist.destroy_process_group(pg)
         del pg
         gc.collect()
+    write({"id": -1, "event": "barrier", "t": time.time()})
     dist.barrier()
+    write({"id": -1, "event": "destroy", "t": time.time()})
     dist.destroy_process_group()
+    write({"id": -1, "event": "exit", "t": time.time()})
     return 0
 
 
 def _measure(cfg: TuneConfig, spec: dict[str, Any], pg: Any, device: torch.device, model_fn: Callable[[], Any],
              batch_fn: Callable[..., Any], loss_fn: Callable[..., Any], mp: Any, baseline: int,
-             profile: Any, reset_peak_memory: Any, peak_memory: Any) -> dict[str, Any]:
+             profile: Any) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -295,6 +295,10 @@ def _measure(cfg: TuneConfig, spec: dict[str, Any], pg: Any, device: torch.devic
         kwargs["mp_policy"] = mp
     units = shard_by_granularity(model, blocks, cfg.blocks_per_unit,
                                  reshard_after_forward=cfg.reshard_after_forward, **kwargs)
+    if units != -(-len(blocks) // cfg.blocks_per_unit) + 1:
+        raise RuntimeError(f"expected {-(-len(blocks) // cfg.blocks_per_unit)} block units + the root for "
+                           f"{cfg.label}, found {units} units (are other modules of the block class outside "
+                           "the blocks? Fix: pass --blocks <ModuleList name>)")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = _to_device(_call_batch(batch_fn, rank), device)
     inputs, targets = batch if isinstance(batch, (tuple, list)) and len(batch) == 2 else (batch, None)
@@ -313,7 +317,6 @@ def _measure(cfg: TuneConfig, spec: dict[str, Any], pg: Any, device: torch.devic
     for _ in range(int(spec["warmup"])):
         step()
     sync()
-    reset_peak_memory(device)
     times: list[float] = []
     if int(spec["steps"]) == 0:
         return {}
@@ -328,7 +331,8 @@ def _measure(cfg: TuneConfig, spec: dict[str, Any], pg: Any, device: torch.devic
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=pg)
             times.append(float(elapsed.item()))
             prof.step()
-    peak = max(0, peak_memory(device) - baseline)
+    # the profiler starts a new peak window every step: the peak of the run is the largest step's
+    peak = max(0, max(st.peak_memory for st in prof.steps) - baseline)
     summary = prof.summary()
     world = dist.get_world_size(pg)
     peaks = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
@@ -382,6 +386,9 @@ def run_sweep(spec: dict[str, Any], configs: list[TuneConfig], world_size: int, 
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed memory returns to the OS: RSS ~ live
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.get("threads", 1)))
     os.environ["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, [old_env["PYTHONPATH"]])])
+    # fork on CPU: the ranks start with torch already imported (seconds per launch); CUDA must not be
+    # forked once initialized, so accelerator runs spawn fresh interpreters.
+    start_method = "spawn" if spec.get("device") != "cpu" and torch.cuda.is_available() else "fork"
     try:
         while pending:
             attempt += 1
@@ -390,7 +397,8 @@ def run_sweep(spec: dict[str, Any], configs: list[TuneConfig], world_size: int, 
             launch = LaunchConfig(
                 min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"tune-{uuid.uuid4()}",
                 rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-                logs_specs=DefaultLogsSpecs(log_dir=str(work_dir / "logs"), redirects=Std.ALL))
+                start_method=start_method, logs_specs=DefaultLogsSpecs(log_dir=str(work_dir / "logs"),
+                                                                       redirects=Std.ALL))
             failure = None
             worker = importlib.import_module("fully_shard.tune")._worker  # picklable even under -m
             try:
@@ -528,15 +536,18 @@ def recommend(results: list[TuneResult], budget_bytes: int | None) -> tuple[Tune
         f"all {len(ok)} configurations (no memory budget given)"
     reason = (f"fastest of {where}: {_ms(best.step_s)} per step at {_mib(best.peak_bytes)} peak per rank, "
               f"{_pct(best.comm_share)} of the step waiting for communication")
-    if len(fitting) > 1:
-        nxt = fitting[1]
-        gain = (nxt.step_s or 0) / (best.step_s or 1) - 1
-        reason += f"; the runner-up ({nxt.config.label}) is {gain:.1%} slower"
+    nxt = fitting[1] if len(fitting) > 1 else None
+    if nxt is not None:
+        reason += f"; the runner-up ({nxt.config.label}) is {(nxt.step_s or 0) / (best.step_s or 1) - 1:.1%} slower"
     cheaper = [r for r in ok if (r.peak_bytes or 0) < (best.peak_bytes or 0)]
-    if cheaper:
-        lean = min(cheaper, key=lambda r: r.peak_bytes or 0)
+    lean = min(cheaper, key=lambda r: r.peak_bytes or 0) if cheaper else None
+    if lean is not None and lean is not nxt:
         reason += (f"; the leanest ({lean.config.label}) needs {_mib(lean.peak_bytes)} but takes "
                    f"{(lean.step_s or 0) / (best.step_s or 1) - 1:+.1%} time")
+    fastest = min(ok, key=lambda r: r.step_s or math.inf)
+    if fastest is not best:
+        reason += (f"; the fastest overall ({fastest.config.label}, {_ms(fastest.step_s)}) needs "
+                   f"{_mib(fastest.peak_bytes)}, over the budget")
     return best, reason
 
 
@@ -590,7 +601,8 @@ def plot(results: list[TuneResult], budget_bytes: int | None, best: TuneResult |
     ax.set_ylabel("step time (ms, median)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,0 +1,209 @@
+"""Communication benchmark: bytes per step vs the theoretical minimum per strategy; bandwidth vs raw.
+
+    python benchmarks/comm.py              # launches 2 ranks itself
+    torchrun --nproc_per_node 2 benchmarks/comm.py --steps 5
+
+Bytes: the same GPT (6 blocks, d=256) trains under FULL_SHARD (reshard after forward), SHARD_GRAD_OP
+(keep gathered params until backward) and DDP; ``fully_shard.profile`` counts the all-gather and
+reduce-scatter bytes per step (DDP's all-reduce bytes come from a comm hook). The minimum is what the
+strategy has to move for this model without padding: FULL_SHARD gathers every unit in forward and every
+non-root unit again in backward and reduce-scatters every gradient (3P minus the root's share),
+SHARD_GRAD_OP gathers and reduce-scatters once (2P), DDP all-reduces once (P). "wire/rank" is what one
+rank sends for that with ring algorithms: (W-1)/W of an all-gather/reduce-scatter buffer, 2(W-1)/W of an
+all-reduce buffer.
+
+Bandwidth: for each unit size, a raw ``all_gather_into_tensor`` of the same size (this transport's
+physical limit here) vs this library's unshard (copy-in + all-gather + copy-out, nothing else running)
+and vs the all-gathers inside training steps (issue -> done, while compute competes for the cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _common import GPT, GPTConfig, init, launch_if_needed, loss_fn, machine, rank0_print, synthetic_batch
+
+MIB = 2**20
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=15, help="timed collectives per bandwidth measurement")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--json", type=Path, default=None)
+    return ap.parse_args()
+
+
+def train(model: torch.nn.Module, cfg: GPTConfig, steps: int, batch: int, prof: Any = None) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for i in range(steps):
+        x, y = synthetic_batch(cfg, batch, i, dist.get_rank())
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if prof is not None:
+            prof.step()
+
+
+def fsdp_bytes(base: GPT, cfg: GPTConfig, raf: bool, args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
+    from fully_shard import fully_shard
+    from fully_shard.profile import profile
+
+    model = copy.deepcopy(base)
+    for blk in model.blocks:
+        fully_shard(blk, reshard_after_forward=raf)
+    fully_shard(model)
+    train(model, cfg, 1, args.batch)
+    with profile(model) as prof:
+        train(model, cfg, args.steps, args.batch, prof)
+    s = prof.summary()
+    return {"all_gather": s["all_gather_bytes"], "reduce_scatter": s["reduce_scatter_bytes"], "all_reduce": 0.0}, \
+        (model, prof)
+
+
+def ddp_bytes(base: GPT, cfg: GPTConfig, args: argparse.Namespace) -> dict[str, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(copy.deepcopy(base))
+    counted: list[int] = []
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the runtime annotations
+        buf = bucket.buffer()
+        counted.append(buf.numel() * buf.element_size())
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, hook)
+    train(model, cfg, 1, args.batch)
+    counted.clear()
+    train(model, cfg, args.steps, args.batch)
+    return {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": sum(counted) / args.steps}
+
+
+def timed(fn: Any, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed))
+    return statistics.median(times)
+
+
+def bandwidth(model: Any, prof: Any, reference: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per unit (root, first block): raw all-gather vs our unshard (and torch's fully_shard unshard of
+    the same unit), and the in-step all-gathers."""
+    world = dist.get_world_size()
+    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    rows = []
+    for name, unit, ref in (("<root>", model, reference), ("blocks.0", model.blocks[0], reference.blocks[0])):
+        group = unit._fsdp.group
+        nbytes = group.unsharded_nbytes
+        numel = group.flat.total_numel
+        out = torch.empty(numel)
+        inp = torch.ones(numel // world)
+        raw = timed(lambda out=out, inp=inp: ag(out, inp), args.iters)
+        rs_out = torch.empty(numel // world)
+        rs_in = torch.ones(numel)
+        raw_rs = timed(lambda o=rs_out, i=rs_in: rs(o, i), args.iters)
+
+        def unshard(unit: Any = unit) -> None:
+            unit.unshard()
+            unit.reshard()
+
+        ours = timed(unshard, args.iters)
+        theirs = timed(lambda ref=ref: (ref.unshard(), ref.reshard()), args.iters)
+        key = "" if name == "<root>" else name
+        in_step = [c.nbytes / c.time_s for st in prof.steps for c in st.collectives
+                   if c.unit == key and c.kind == "all_gather" and c.time_s > 0]
+        in_step_rs = [c.nbytes / c.time_s for st in prof.steps for c in st.collectives
+                      if c.unit == key and c.kind == "reduce_scatter" and c.time_s > 0]
+        rows.append({"unit": name, "bytes": nbytes, "raw_ag_s": raw, "ours_unshard_s": ours,
+                     "raw_ag_bw": nbytes / raw, "ours_unshard_bw": nbytes / ours, "torch_unshard_bw": nbytes / theirs,
+                     "in_step_ag_bw": statistics.median(in_step) if in_step else 0.0,
+                     "raw_rs_bw": nbytes / raw_rs,
+                     "in_step_rs_bw": statistics.median(in_step_rs) if in_step_rs else 0.0})
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
+    launch_if_needed(__file__, args.nproc)
+    init("gloo")
+    world = dist.get_world_size()
+    cfg = GPTConfig(vocab=2048, dim=256, blocks=6, heads=8, seq=128)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    p_all = sum(p.numel() * p.element_size() for p in base.parameters())
+    p_blocks = sum(p.numel() * p.element_size() for p in base.blocks.parameters())
+    measured: dict[str, dict[str, Any]] = {}
+    minimum = {
+        "FULL_SHARD": {"all_gather": p_all + p_blocks, "reduce_scatter": p_all, "all_reduce": 0},
+        "SHARD_GRAD_OP": {"all_gather": p_all, "reduce_scatter": p_all, "all_reduce": 0},
+        "DDP": {"all_gather": 0, "reduce_scatter": 0, "all_reduce": p_all},
+    }
+    measured["FULL_SHARD"], (model, prof) = fsdp_bytes(base, cfg, True, args)
+    measured["SHARD_GRAD_OP"], _ = fsdp_bytes(base, cfg, False, args)
+    measured["DDP"] = ddp_bytes(base, cfg, args)
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    reference = copy.deepcopy(base)
+    for blk in reference.blocks:
+        torch_fully_shard(blk)
+    torch_fully_shard(reference)
+    train(reference, cfg, 1, args.batch)
+    bw = bandwidth(model, prof, reference, args)
+
+    frac = (world - 1) / world
+    rank0_print(f"\ncomm benchmark: GPT {p_all / 4 / 1e6:.1f}M params (P = {p_all / MIB:.1f} MiB fp32; root unit "
+                f"{(p_all - p_blocks) / MIB:.1f} MiB, 6 blocks), {world} ranks on CPU (gloo), per step")
+    rank0_print(f"machine: {machine()}")
+    head = f"{'strategy':<14}{'all-gather':>12}{'reduce-scat':>12}{'all-reduce':>12}{'total':>10}{'x P':>7}" \
+           f"{'minimum':>10}{'vs min':>8}{'wire/rank':>11}"
+    rank0_print(head + "   (MiB)")
+    rank0_print("-" * len(head))
+    rows = {}
+    for name, m in measured.items():
+        total = m["all_gather"] + m["reduce_scatter"] + m["all_reduce"]
+        low = sum(minimum[name].values())
+        wire = frac * (m["all_gather"] + m["reduce_scatter"]) + 2 * frac * m["all_reduce"]
+        rows[name] = {**m, "total": total, "minimum": low, "wire_per_rank": wire}
+        rank0_print(f"{name:<14}{m['all_gather'] / MIB:>12.2f}{m['reduce_scatter'] / MIB:>12.2f}"
+                    f"{m['all_reduce'] / MIB:>12.2f}{total / MIB:>10.2f}{total / p_all:>7.2f}{low / MIB:>10.2f}"
+                    f"{total / low:>8.3f}{wire / MIB:>11.2f}")
+    rank0_print("\nall-gather bandwidth (MiB/s, algorithm bandwidth = gathered bytes / time)")
+    head = f"{'unit':<10}{'MiB':>7}{'raw AG':>10}{'ours unshard':>14}{'/raw':>7}{'torch unshard':>15}{'/raw':>7}" \
+           f"{'in-step AG':>12}{'raw RS':>10}{'in-step RS':>12}"
+    rank0_print(head)
+    rank0_print("-" * len(head))
+    for r in bw:
+        rank0_print(f"{r['unit']:<10}{r['bytes'] / MIB:>7.2f}{r['raw_ag_bw'] / MIB:>10.0f}{r['ours_unshard_bw'] / MIB:>14.0f}"
+                    f"{r['ours_unshard_bw'] / r['raw_ag_bw']:>7.2f}{r['torch_unshard_bw'] / MIB:>15.0f}"
+                    f"{r['torch_unshard_bw'] / r['raw_ag_bw']:>7.2f}{r['in_step_ag_bw'] / MIB:>12.0f}"
+                    f"{r['raw_rs_bw'] / MIB:>10.0f}{r['in_step_rs_bw'] / MIB:>12.0f}")
+    rank0_print("ours/torch unshard = module.unshard() + reshard() of the unit (copy-in + all-gather + copy-out into "
+                "freshly allocated params) with nothing else running; in-step = issue -> done inside training steps "
+                "(the collective shares the cores with compute)")
+    if args.json is not None and dist.get_rank() == 0:
+        args.json.write_text(json.dumps({"bytes": rows, "bandwidth": bw, "machine": machine()}, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
