@@ -181,17 +181,24 @@ def _shard_params(slots: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str
             raise ValueError(f"parameter {fqn!r} is on {p.device} but the mesh's device type is "
                              f"{device.type!r}. Fix: build the mesh on {p.device.type!r} "
                              f"(init_device_mesh({p.device.type!r}, ...)) or move the module first.")
-        if shard_placement_fn is not None:
-            placement = shard_placement_fn(p)
-            if placement is not None and placement != Shard(0):
-                raise NotImplementedError(f"shard_placement_fn returned {placement!r} for {fqn!r}; this library "
-                                          "shards along dim 0 only. Fix: return None or Shard(0).")
+        shard_dim = _shard_dim(shard_placement_fn(p) if shard_placement_fn else None, p, fqn)
         sp = ShardedParam(module, name, fqn, p, mesh_info, storage_device,  # meta stays meta until to_empty
-                          pin_memory=pin_memory)
+                          pin_memory=pin_memory, shard_dim=shard_dim)
         sp.slots = [(m, n) for m, n, _ in where]
         _set_owner(p, f"{type(module).__name__} (param {fqn!r})")
         params.append(sp)
     return params
+
+
+def _shard_dim(placement: Placement | None, p: nn.Parameter, fqn: str) -> int:
+    """The tensor dim ``shard_placement_fn`` chose (default 0); 0-dim parameters are replicated."""
+    if placement is None or p.dim() == 0:
+        return 0
+    if not isinstance(placement, Shard) or not -p.dim() <= placement.dim < p.dim():
+        raise ValueError(f"shard_placement_fn returned {placement!r} for {fqn!r} of shape {tuple(p.shape)}; "
+                         f"expected None or Shard(d) with -{p.dim()} <= d < {p.dim()}. Fix: return Shard(0) "
+                         "(the default) or a Shard of an existing dim.")
+    return placement.dim % p.dim()
 
 
 def _move_buffers(module: nn.Module, device: torch.device) -> None:

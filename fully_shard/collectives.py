@@ -91,7 +91,7 @@ def reduce_scatter_copy_in(grads: Sequence[torch.Tensor | None], params: Sequenc
         elif p.layout.replicated:
             pieces.append(grad.reshape(1, 1).expand(world, 1))
         else:
-            src = grad.reshape(-1)
+            src = p.moved(grad).reshape(-1)  # shard dim first (a no-op for Shard(0))
             pad = world * size - src.numel()
             pieces.append((F.pad(src, (0, pad)) if pad else src).view(world, size))
     buf = torch.empty(world, flat.shard_numel, dtype=dtype, device=device)

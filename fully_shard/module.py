@@ -105,10 +105,13 @@ class FSDPModule:
 
     def fsdp_repr(self) -> str:
         """One line per managed parameter: ``blocks.0.up.weight f32[157@shard/2, 60] SHARDED``."""
-        lines = []
-        for state in self._fsdp_states(True):
-            if state.group is not None:
-                lines += [repr(p) for p in state.group.params]
+        lines, seen = [], set()
+        for prefix, sub in self.named_modules():  # type: ignore[attr-defined]
+            state = get_state(sub)
+            if state is None or state.group is None or id(state) in seen:
+                continue
+            seen.add(id(state))
+            lines += [p.describe(f"{prefix}.{p.local_fqn}" if prefix else p.local_fqn) for p in state.group.params]
         return "\n".join(lines)
 
     @property

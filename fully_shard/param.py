@@ -31,9 +31,8 @@ class MeshInfo:
     replicate_group: dist.ProcessGroup | None = None
     replicate_world: int = 1
 
-    @property
-    def sharded_placements(self) -> tuple[Placement, ...]:
-        return (Replicate(), Shard(0)) if self.mesh.ndim == 2 else (Shard(0),)
+    def sharded_placements(self, dim: int = 0) -> tuple[Placement, ...]:
+        return (Replicate(), Shard(dim)) if self.mesh.ndim == 2 else (Shard(dim),)
 
     @property
     def replicated_placements(self) -> tuple[Placement, ...]:
@@ -57,7 +56,7 @@ class ShardedParam:
     """One managed parameter: owns its sharded DTensor and its unsharded storage."""
 
     def __init__(self, module: nn.Module, name: str, fqn: str, param: nn.Parameter, mesh_info: MeshInfo,
-                 storage_device: torch.device, *, pin_memory: bool = False) -> None:
+                 storage_device: torch.device, *, pin_memory: bool = False, shard_dim: int = 0) -> None:
         self.module = module
         self.name = name
         self.slots: list[tuple[nn.Module, str]] = [(module, name)]  # every (module, attr) holding it
@@ -68,7 +67,12 @@ class ShardedParam:
         self.pin_memory = pin_memory
         self.requires_grad = param.requires_grad
         self.global_shape = tuple(param.shape)
-        self.layout = DimZeroLayout(self.global_shape, mesh_info.shard_world)
+        # Sharding along dim d uses the dim-0 layout of the tensor with d moved to the front.
+        self.shard_dim = shard_dim if self.global_shape else 0
+        moved = list(self.global_shape)
+        if moved:
+            moved.insert(0, moved.pop(self.shard_dim))
+        self.layout = DimZeroLayout(tuple(moved), mesh_info.shard_world)
         self.unsharded_param: nn.Parameter | None = None
         self._unsharded_padded: torch.Tensor | None = None  # owns the unsharded storage
         self._unsharded_write: torch.Tensor | None = None  # same storage, own version counter
@@ -81,7 +85,7 @@ class ShardedParam:
         if isinstance(data, DTensor):
             data = data.full_tensor()
         start, end = self.layout.row_range(self.mesh_info.shard_rank)
-        local = data if self.layout.replicated else data[start:end]
+        local = data if self.layout.replicated else self.unmoved(self.moved(data)[start:end])
         local = (local if local.is_meta else local.to(self.storage_device)).contiguous().clone()
         if self.pin_memory and local.device.type == "cpu" and torch.accelerator.is_available():
             local = local.pin_memory()  # CPU offload: pinned host memory for async H2D/D2H copies
@@ -89,11 +93,18 @@ class ShardedParam:
 
     def _wrap_local(self, local: torch.Tensor) -> DTensor:
         placements = (self.mesh_info.replicated_placements if self.layout.replicated
-                      else self.mesh_info.sharded_placements)
+                      else self.mesh_info.sharded_placements(self.shard_dim))
         dtensor = DTensor.from_local(local, self.mesh_info.mesh, placements, run_check=False,
                                      shape=torch.Size(self.global_shape),
                                      stride=_contiguous_stride(self.global_shape))
         return nn.Parameter(dtensor, requires_grad=self.requires_grad)  # type: ignore[return-value]
+
+    def moved(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (this parameter's shape) with the shard dim first: the communication layout."""
+        return t.movedim(self.shard_dim, 0) if self.shard_dim else t
+
+    def unmoved(self, t: torch.Tensor) -> torch.Tensor:
+        return t.movedim(0, self.shard_dim) if self.shard_dim else t
 
     @property
     def orig_dtype(self) -> torch.dtype:
@@ -112,7 +123,7 @@ class ShardedParam:
         if isinstance(current, DTensor) and current is not self.sharded_param:
             self.sharded_param = current
         self.requires_grad = self.sharded_param.requires_grad
-        local = self.sharded_param._local_tensor
+        local = self.sharded_local
         if not local.is_meta and local.device != self.storage_device:
             # e.g. meta init + CPU offload: to_empty(device="cuda") put the shard on the device. Swap
             # in place so the Parameter object (which an optimizer may already hold) stays the same.
@@ -123,13 +134,15 @@ class ShardedParam:
 
     def copy_in_parts(self) -> list[torch.Tensor]:
         """Flat pieces that make this rank's padded shard: the local shard, then zero padding."""
-        local = self.sharded_local.reshape(-1)
+        local = self.moved(self.sharded_local).reshape(-1)
         pad = self.layout.padding_numel(self.mesh_info.shard_rank)
         return [local, local.new_zeros(pad)] if pad else [local]
 
     def set_sharded_grad(self, local_grad: torch.Tensor) -> None:
-        """Assign (or accumulate into) ``.grad`` of the sharded parameter as a DTensor."""
-        local_grad = local_grad.to(self.orig_dtype)
+        """Assign (or accumulate into) ``.grad`` of the sharded parameter as a DTensor.
+
+        ``local_grad`` is in the communication layout (shard dim first); it is moved back here."""
+        local_grad = self.unmoved(local_grad).to(self.orig_dtype, memory_format=torch.contiguous_format)
         if local_grad.device != self.storage_device:
             local_grad = local_grad.to(self.storage_device, non_blocking=True)
         existing = self.sharded_param.grad
@@ -148,7 +161,7 @@ class ShardedParam:
             return
         padded = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
         numel = self.layout.numel
-        view = padded[:numel].view(self.global_shape)
+        view = self.unmoved(padded[:numel].view(self.layout.shape))  # non-contiguous if shard_dim > 0
         self._unsharded_padded = padded
         self._unsharded_write = padded.data
         self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
@@ -206,13 +219,17 @@ class ShardedParam:
             self.unsharded_accumulated_grad.add_(grad)
 
     def __repr__(self) -> str:
+        return self.describe(self.fqn)
+
+    def describe(self, fqn: str) -> str:
+        """``blocks.0.up.weight f32[157@shard/2, 60] SHARDED``."""
         state = "UNSHARDED" if self.unsharded_allocated() else "SHARDED"
+        dims = [str(size) for size in self.global_shape]
         if self.layout.replicated:
-            dims = "@replicate"
+            dims = ["@replicate"]
         else:
-            head = f"{self.global_shape[0]}@shard/{self.mesh_info.shard_world}"
-            dims = ", ".join([head, *map(str, self.global_shape[1:])])
-        return f"{self.fqn} {dtype_name(self.orig_dtype)}[{dims}] {state}"
+            dims[self.shard_dim] += f"@shard/{self.mesh_info.shard_world}"
+        return f"{fqn} {dtype_name(self.orig_dtype)}[{', '.join(dims)}] {state}"
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

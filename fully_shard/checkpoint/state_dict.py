@@ -58,8 +58,9 @@ def _placements(name: str, tensor: DTensor) -> list[str]:
         else:
             raise CheckpointError(
                 f"{name}: DTensor placement {p} (all placements {tuple(tensor.placements)}) is not supported; "
-                "checkpoints handle Shard(0) and Replicate() placements (what fully_shard produces); fix: "
-                "redistribute the tensor to Shard(0)/Replicate() before saving")
+                "checkpoints handle Shard(0) and Replicate() placements (fully_shard's default); fix: shard "
+                "this unit without a shard_placement_fn that picks another dim, or redistribute the tensor to "
+                "Shard(0)/Replicate() before saving")
     return out
 
 

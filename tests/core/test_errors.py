@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 
 from fully_shard import fully_shard
 from fully_shard.api import _mesh_info
@@ -45,9 +46,11 @@ def _errors() -> None:
     with pytest.raises(TypeError, match=r"expects nn.Module\(s\), got str"):
         fully_shard("model")  # type: ignore[arg-type]
 
-    with pytest.raises(NotImplementedError, match=r"returned Shard\(dim=1\) for 'weight'.*dim 0 only"):
-        from torch.distributed.tensor import Shard
-        fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1))
+    with pytest.raises(ValueError, match=r"returned Shard\(dim=2\) for 'weight' of shape \(4, 4\); expected "
+                                         r"None or Shard\(d\) with -2 <= d < 2"):
+        fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(2))
+    with pytest.raises(ValueError, match=r"returned Replicate\(\) for 'weight'"):
+        fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate())
 
     with torch.device("meta"):
         meta_model = TinyGPT(n_blocks=1)

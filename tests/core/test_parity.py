@@ -6,6 +6,8 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
 from fully_shard import fully_shard
 from tests.core.common import global_mean, local_slice, shard_gpt, train_pair
@@ -120,3 +122,52 @@ def _tiny_shapes() -> None:
 
 def test_zero_dim_small_frozen_and_buffers() -> None:
     _tiny_shapes()
+
+
+def _largest_dim(p: torch.nn.Parameter) -> Shard | None:
+    """Shard along the largest dim, as torch's docs suggest for shard_placement_fn."""
+    return Shard(max(range(p.dim()), key=lambda d: p.shape[d])) if p.dim() else None
+
+
+def _dim1_if_even(p: torch.nn.Parameter) -> Shard | None:
+    return Shard(1) if p.dim() == 2 and p.shape[1] % 2 == 0 else None
+
+
+@distributed(world_size=2)
+def _shard_placement_fn_parity() -> tuple[float, float]:
+    torch.manual_seed(0)
+    base = TinyGPT(zero_dim=False)
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    shard_gpt(ours, shard_placement_fn=_dim1_if_even)
+    for blk in theirs.blocks:  # torch refuses uneven sharding on dims other than 0
+        torch_fully_shard(blk, shard_placement_fn=_dim1_if_even)
+    torch_fully_shard(theirs, shard_placement_fn=_dim1_if_even)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    worst = 0.0
+    for x, y in batches(5, batch=12):
+        got = []
+        for m, opt in zip((ours, theirs), opts):
+            loss = loss_fn(m(local_slice(x)), local_slice(y))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            got.append(global_mean(loss))
+        worst = max(worst, abs(got[0] - got[1]))
+    assert worst < 1e-6, worst
+    # uneven sharding along dim 1 (torch refuses it) against the unsharded reference
+    losses, ref_losses, pdiff = train_pair(TinyGPT, lambda m: shard_gpt(m, shard_placement_fn=_largest_dim))
+    ldiff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    assert ldiff < 2e-5 and pdiff < 1e-3, (ldiff, pdiff)
+    torch.manual_seed(0)
+    model = shard_gpt(TinyGPT(), shard_placement_fn=_largest_dim)
+    down = model.blocks[0].down.weight  # (60, 157): sharded along dim 1, 79 + 78 columns
+    assert down.placements == (Shard(1),)
+    assert down.to_local().shape == ((60, 79) if dist.get_rank() == 0 else (60, 78))
+    assert "blocks.0.down.weight f32[60, 157@shard/2] SHARDED" in model.fsdp_repr(), model.fsdp_repr()
+    return worst, ldiff
+
+
+def test_shard_placement_fn_other_dims_matches_torch() -> None:
+    _shard_placement_fn_parity()
