@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -53,20 +54,20 @@ def test_parity_int_reshard_world4(raf: int) -> None:
     _parity_w4(raf)
 
 
-@distributed(world_size=2)
-def _torch_parity() -> float:
+def _vs_torch(steps: int, shard_placement_fn: Callable[[torch.nn.Parameter], Shard | None] | None = None) -> float:
+    """Our fully_shard and torch's on copies of one model, in lockstep: the worst loss difference."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     torch.manual_seed(0)
-    base = TinyGPT(zero_dim=False)
+    base = TinyGPT(zero_dim=False)  # torch's fully_shard refuses 0-dim parameters
     ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
-    shard_gpt(ours)
+    shard_gpt(ours, shard_placement_fn=shard_placement_fn)
     for blk in theirs.blocks:
-        torch_fully_shard(blk)
-    torch_fully_shard(theirs)
+        torch_fully_shard(blk, shard_placement_fn=shard_placement_fn)
+    torch_fully_shard(theirs, shard_placement_fn=shard_placement_fn)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
     worst = 0.0
-    for x, y in batches(10, batch=12):
+    for x, y in batches(steps, batch=12):
         got = []
         for m, opt in zip((ours, theirs), opts):
             loss = loss_fn(m(local_slice(x)), local_slice(y))
@@ -77,6 +78,11 @@ def _torch_parity() -> float:
         worst = max(worst, abs(got[0] - got[1]))
     assert worst < 1e-6, worst
     return worst
+
+
+@distributed(world_size=2)
+def _torch_parity() -> float:
+    return _vs_torch(10)
 
 
 def test_parity_with_torch_fully_shard() -> None:
@@ -135,27 +141,7 @@ def _dim1_if_even(p: torch.nn.Parameter) -> Shard | None:
 
 @distributed(world_size=2)
 def _shard_placement_fn_parity() -> tuple[float, float]:
-    torch.manual_seed(0)
-    base = TinyGPT(zero_dim=False)
-    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    shard_gpt(ours, shard_placement_fn=_dim1_if_even)
-    for blk in theirs.blocks:  # torch refuses uneven sharding on dims other than 0
-        torch_fully_shard(blk, shard_placement_fn=_dim1_if_even)
-    torch_fully_shard(theirs, shard_placement_fn=_dim1_if_even)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
-    worst = 0.0
-    for x, y in batches(5, batch=12):
-        got = []
-        for m, opt in zip((ours, theirs), opts):
-            loss = loss_fn(m(local_slice(x)), local_slice(y))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            got.append(global_mean(loss))
-        worst = max(worst, abs(got[0] - got[1]))
-    assert worst < 1e-6, worst
+    worst = _vs_torch(5, _dim1_if_even)  # torch refuses uneven sharding on dims other than 0
     # uneven sharding along dim 1 (torch refuses it) against the unsharded reference
     losses, ref_losses, pdiff = train_pair(TinyGPT, lambda m: shard_gpt(m, shard_placement_fn=_largest_dim))
     ldiff = max(abs(a - b) for a, b in zip(losses, ref_losses))
