@@ -156,7 +156,10 @@ class FSDPState:
         grad_enabled = torch.is_grad_enabled()
         raf = self.effective_reshard_after_forward
         if self.group is not None:
-            if raf is True or (not grad_enabled and raf is not False):
+            if not grad_enabled:  # no backward needs them; only an explicit False keeps them gathered
+                if self.reshard_after_forward is not False:
+                    self.group.reshard()
+            elif raf is True:
                 self.group.reshard()
             elif raf is not False:
                 self.group.reshard(partial=True)

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from fully_shard import FSDPModule, fully_shard, register_fsdp_forward_method, trace
-from tests.core.common import local_slice, shard_gpt
+from tests.core.common import global_mean, local_slice, shard_gpt
 from tests.distributed.counting import CountCollectives
 from tests.distributed.harness import distributed
 from tests.models import TinyGPT, batches, loss_fn
@@ -304,8 +304,7 @@ def _state_dict_after_unsharded_forward() -> None:
     torch.manual_seed(0)
     model = shard_gpt(TinyGPT())
     x, _ = batches(1)[0]
-    with torch.no_grad():
-        model(local_slice(x))  # the root keeps its params gathered (reshard_after_forward=False)
+    model(local_slice(x))  # no backward: the root keeps its params gathered (reshard_after_forward=None)
     assert not isinstance(model.tok.weight, DTensor)
     sd = model.state_dict()
     assert all(isinstance(v, DTensor) for v in sd.values()), [
@@ -316,3 +315,42 @@ def _state_dict_after_unsharded_forward() -> None:
 
 def test_state_dict_reshards_first() -> None:
     _state_dict_after_unsharded_forward()
+
+
+@distributed(world_size=2)
+def _optimizer_after_eval_forward() -> float:
+    """An eval forward before the optimizer exists must leave model.parameters() sharded."""
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = shard_gpt(copy.deepcopy(ref))
+    with torch.no_grad():
+        model(local_slice(batches(1)[0][0]))
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    worst = 0.0
+    for x, y in batches(3, batch=12):
+        loss = loss_fn(model(local_slice(x)), local_slice(y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        worst = max(worst, abs(global_mean(loss) - ref_loss.item()))
+        with torch.no_grad():
+            model(local_slice(x))  # eval between steps
+    assert worst < 2e-5, worst
+    model.set_reshard_after_forward(False)  # an explicit False keeps gathered params across eval forwards
+    with torch.no_grad():
+        model(local_slice(x))
+    assert not isinstance(model.tok.weight, DTensor) and not isinstance(model.blocks[0].up.weight, DTensor)
+    model.reshard()
+    for blk in model.blocks:
+        blk.reshard()
+    return worst
+
+
+def test_eval_forward_reshards_the_root_by_default() -> None:
+    _optimizer_after_eval_forward()
