@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from fully_shard import fully_shard
 from tests.models import TinyGPT, batches, loss_fn
@@ -27,7 +28,7 @@ def local_slice(t: torch.Tensor) -> torch.Tensor:
 
 
 def global_mean(x: torch.Tensor) -> float:
-    x = x.detach().clone()
+    x = x.detach().float().clone()  # bf16 losses would lose digits in the all-reduce
     dist.all_reduce(x)
     return x.item() / dist.get_world_size()
 
@@ -45,23 +46,33 @@ def train_pair(make: Callable[[], nn.Module], shard: Callable[[nn.Module], nn.Mo
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
     losses, ref_losses = [], []
     for x, y in batches(steps, batch=batch):
-        loss = loss_fn(model(local_slice(x)), local_slice(y))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_mean(loss))
-        ref_loss = loss_fn(ref(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_loss.item())
+        loss, ref_loss = step_pair(model, ref, opt, ref_opt, x, y)
+        losses.append(loss)
+        ref_losses.append(ref_loss)
     return losses, ref_losses, max_param_diff(model, ref)
 
 
+def step_pair(model: nn.Module, ref: nn.Module, opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer,
+              x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """One optimizer step of the sharded model on this rank's slice and of the reference on the global
+    batch; returns (sharded loss averaged over ranks, reference loss)."""
+    loss = loss_fn(model(local_slice(x)), local_slice(y))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    ref_loss = loss_fn(ref(x), y)
+    ref_loss.backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return global_mean(loss), ref_loss.item()
+
+
 def max_param_diff(model: nn.Module, ref: nn.Module) -> float:
+    """Worst |sharded - reference| over all parameters (DTensors gathered, compared in fp32)."""
     ref_params = dict(ref.named_parameters())
     worst = 0.0
     for name, p in model.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        worst = max(worst, (full.detach() - ref_params[name].detach()).abs().max().item() if full.numel() else 0.0)
+        value = p.full_tensor() if isinstance(p, DTensor) else p
+        if value.numel():
+            worst = max(worst, (value.detach().float() - ref_params[name].detach().float()).abs().max().item())
     return worst

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from fully_shard import FSDPModule, fully_shard, register_fsdp_forward_method, trace
-from tests.core.common import global_mean, local_slice, shard_gpt
+from tests.core.common import local_slice, shard_gpt, step_pair
 from tests.distributed.counting import CountCollectives
 from tests.distributed.harness import distributed
 from tests.models import TinyGPT, batches, loss_fn
@@ -330,15 +330,8 @@ def _optimizer_after_eval_forward() -> float:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     worst = 0.0
     for x, y in batches(3, batch=12):
-        loss = loss_fn(model(local_slice(x)), local_slice(y))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_loss = loss_fn(ref(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        worst = max(worst, abs(global_mean(loss) - ref_loss.item()))
+        loss, ref_loss = step_pair(model, ref, opt, ref_opt, x, y)
+        worst = max(worst, abs(loss - ref_loss))
         with torch.no_grad():
             model(local_slice(x))  # eval between steps
     assert worst < 2e-5, worst

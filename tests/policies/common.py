@@ -8,12 +8,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fully_shard import MixedPrecisionPolicy
 from fully_shard.trace import Event, EventKind
+from tests.core.common import global_mean as global_mean  # re-exported for the policy tests
+from tests.core.common import local_slice as local_slice
+from tests.core.common import max_param_diff, step_pair
 from tests.models import batches, loss_fn
 
 
@@ -22,19 +24,9 @@ def rank_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t[rank * per:(rank + 1) * per]
 
 
-def local_slice(t: torch.Tensor) -> torch.Tensor:
-    return rank_slice(t, dist.get_rank(), dist.get_world_size())
-
-
 def full(t: torch.Tensor) -> torch.Tensor:
     """The global value of a DTensor (a plain tensor unchanged)."""
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def max_param_diff(model: nn.Module, ref: nn.Module) -> float:
-    ref_params = dict(ref.named_parameters())
-    return max((full(p.detach()).float() - ref_params[n].detach().float()).abs().max().item()
-               for n, p in model.named_parameters())
 
 
 def max_grad_diff(model: nn.Module, ref_grads: Mapping[str, torch.Tensor]) -> float:
@@ -43,12 +35,6 @@ def max_grad_diff(model: nn.Module, ref_grads: Mapping[str, torch.Tensor]) -> fl
         assert p.grad is not None, f"{n} has no grad"
         worst = max(worst, (full(p.grad).float() - ref_grads[n].float()).abs().max().item())
     return worst
-
-
-def global_mean(x: torch.Tensor) -> float:
-    x = x.detach().float().clone()
-    dist.all_reduce(x)
-    return x.item() / dist.get_world_size()
 
 
 def sgd(params: Iterable[torch.Tensor], lr: float = 0.1) -> torch.optim.Optimizer:
@@ -150,13 +136,6 @@ def train_parity(model: nn.Module, ref: nn.Module, *, steps: int = 10, batch: in
     ref_opt = optim(ref.parameters(), lr=lr)
     loss_diff = 0.0
     for x, y in batches(steps, batch=batch):
-        loss = loss_fn(model(local_slice(x)), local_slice(y))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_loss = loss_fn(ref(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss_diff = max(loss_diff, abs(global_mean(loss) - ref_loss.item()))
+        loss, ref_loss = step_pair(model, ref, opt, ref_opt, x, y)
+        loss_diff = max(loss_diff, abs(loss - ref_loss))
     return {"loss_diff": loss_diff, "param_diff": max_param_diff(model, ref)}
