@@ -11,16 +11,17 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
-from .group import ParamGroup, SubgroupInfo
+from .group import ParamGroup
+from .mesh import MeshInfo, default_mesh, subgroup
 from .module import FSDPModule
-from .param import MeshInfo, ShardedParam
-from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .param import ShardedParam
+from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_reshard_after_forward
 from .state import FSDPState, get_state
+from .tree import join_fqn
 
 M = TypeVar("M", nn.Module, list)
 
@@ -29,7 +30,6 @@ M = TypeVar("M", nn.Module, list)
 # makes torch.utils.swap_tensors (module.to_empty()/.to() on DTensor params) refuse to swap it.
 _OWNER_ATTR = "_fully_shard_owner"
 _CLASS_CACHE: dict[type, type] = {}
-_SUBGROUPS: dict[tuple[tuple[tuple[int, ...], ...], int], dist.ProcessGroup | None] = {}
 _PIN_WARNED = False
 
 
@@ -45,9 +45,9 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
     """
     modules = _as_modules(module)
     mesh = mesh if mesh is not None else default_mesh()
-    mesh_info = _mesh_info(mesh)
+    mesh_info = MeshInfo.of(mesh)
     device = mesh_info.device
-    validate_reshard_after_forward(reshard_after_forward, mesh_info, None)
+    check_reshard_after_forward(reshard_after_forward, mesh_info.shard_world)
     storage_device = _storage_device(offload_policy, device)
     ignored = {id(p) for p in (ignored_params or ())}
     slots = _managed_slots(modules, ignored)
@@ -55,9 +55,9 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
     params = _shard_params(slots, mesh_info, device, storage_device, shard_placement_fn, pin)
     for m in modules:
         _move_buffers(m, device)
-    subgroup = _subgroup(mesh, mesh_info, reshard_after_forward)
+    k_subgroup = subgroup(mesh, mesh_info, reshard_after_forward)
     unit_name = ", ".join(type(m).__name__ for m in modules)
-    group = ParamGroup(params, "", mesh_info, device, mp_policy, subgroup) if params else None
+    group = ParamGroup(params, "", mesh_info, device, mp_policy, k_subgroup) if params else None
     for p in params:
         p.register_sharded()
         _set_owner(p.sharded_param, f"{unit_name} (param {p.fqn!r})")
@@ -83,52 +83,6 @@ def _as_modules(module: Any) -> tuple[nn.Module, ...]:
     return modules
 
 
-def default_mesh() -> DeviceMesh:
-    """A 1-D mesh over the default process group on the default device (like torch's)."""
-    if not dist.is_initialized():
-        raise RuntimeError("fully_shard needs torch.distributed: call dist.init_process_group(...) first "
-                           "(torchrun sets the environment), or pass mesh=init_device_mesh(...).")
-    backend = str(dist.get_backend()).lower()
-    device_type = "cpu"
-    if "nccl" in backend or "xccl" in backend or "hccl" in backend:
-        acc = torch.accelerator.current_accelerator()
-        device_type = acc.type if acc is not None else "cuda"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
-
-
-def _mesh_info(mesh: DeviceMesh) -> MeshInfo:
-    if mesh.ndim not in (1, 2):
-        raise ValueError(
-            f"fully_shard supports a 1-D mesh (FSDP) or a 2-D mesh ('replicate', 'shard') (HSDP); got a "
-            f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}. Fix: pass the FSDP sub-mesh, e.g. "
-            "mesh['dp'] or mesh['dp_replicate', 'dp_shard'].")
-    world = dist.get_world_size()
-    if mesh.size() > world:
-        raise ValueError(f"mesh of shape {tuple(mesh.shape)} has {mesh.size()} ranks but the world has "
-                         f"{world}. Fix: build the mesh from the launched world, e.g. "
-                         f"init_device_mesh(device, ({world},)).")
-    if mesh.ndim == 1:
-        return MeshInfo(mesh, mesh.get_group(0), mesh.get_local_rank(0), mesh.size(0))
-    return MeshInfo(mesh, mesh.get_group(1), mesh.get_local_rank(1), mesh.size(1),
-                    replicate_group=mesh.get_group(0), replicate_world=mesh.size(0))
-
-
-def validate_reshard_after_forward(value: Any, mesh_info: MeshInfo, group: ParamGroup | None) -> None:
-    if value is None or isinstance(value, bool):
-        return
-    if not isinstance(value, int):
-        raise TypeError(f"reshard_after_forward must be None, a bool or an int, got {value!r}")
-    world = mesh_info.shard_world
-    if value < 1 or world % value:
-        raise ValueError(
-            f"reshard_after_forward={value} must divide the shard group size {world} (it is the size of the "
-            f"subgroup params stay sharded over between forward and backward). Fix: use one of "
-            f"{[k for k in range(1, world + 1) if world % k == 0]}, or True/False.")
-    if group is not None and (group.subgroup is None or group.subgroup.world != value) and 1 < value < world:
-        raise ValueError(f"set_reshard_after_forward({value}) needs the {value}-rank subgroups created at "
-                         f"fully_shard time. Fix: pass reshard_after_forward={value} to fully_shard.")
-
-
 def _storage_device(offload_policy: OffloadPolicy, device: torch.device) -> torch.device:
     global _PIN_WARNED
     if not isinstance(offload_policy, CPUOffloadPolicy):
@@ -148,7 +102,7 @@ def _managed_slots(modules: tuple[nn.Module, ...], ignored: set[int]) -> list[tu
             for name, p in sub._parameters.items():
                 if p is None or id(p) in ignored:
                     continue
-                fqn = f"{prefix}.{name}" if prefix else name
+                fqn = join_fqn(prefix, name)
                 owner = _owner_of(p)
                 if owner is not None:
                     raise ValueError(
@@ -167,7 +121,7 @@ def _walk_unowned(root: nn.Module) -> Iterable[tuple[str, nn.Module]]:
         yield prefix, module
         for name, child in reversed(list(module._modules.items())):
             if child is not None and get_state(child) is None:
-                stack.append((f"{prefix}.{name}" if prefix else name, child))
+                stack.append((join_fqn(prefix, name), child))
 
 
 def _shard_params(slots: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]], mesh_info: MeshInfo,
@@ -206,27 +160,6 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
         for name, buf in sub._buffers.items():
             if buf is not None and not buf.is_meta and buf.device != device:
                 sub._buffers[name] = buf.to(device)
-
-
-def _subgroup(mesh: DeviceMesh, mesh_info: MeshInfo, raf: bool | int | None) -> SubgroupInfo | None:
-    """Create (collectively, once per mesh and k) the k-rank subgroups of every shard group."""
-    if raf is None or isinstance(raf, bool) or raf in (1, mesh_info.shard_world):
-        return None
-    grid = mesh.mesh.reshape(-1, mesh_info.shard_world).tolist()
-    key = (tuple(tuple(row) for row in grid), raf)
-    me = dist.get_rank()
-    if key not in _SUBGROUPS:
-        mine = None
-        for row in grid:
-            for start in range(0, len(row), raf):
-                ranks = row[start:start + raf]
-                pg = dist.new_group(ranks)
-                if me in ranks:
-                    mine = pg
-        _SUBGROUPS[key] = mine
-    pg = _SUBGROUPS[key]
-    assert pg is not None
-    return SubgroupInfo(pg, dist.get_rank(pg), raf)
 
 
 def _owner_of(p: torch.Tensor) -> str | None:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
+
+from .mesh import device_of
 
 __all__ = ["clip_grad_norm_", "total_grad_norm"]
 
@@ -89,15 +90,10 @@ def _local_and_groups(g: torch.Tensor) -> tuple[_ReduceKey, torch.Tensor,
     if any(p.is_partial() for p in g.placements):  # resolve pending sums before taking |g|^p
         g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
     mesh = g.device_mesh
-    device = torch.device(mesh.device_type) if mesh.device_type == "cpu" else _mesh_device(mesh.device_type)
+    device = device_of(mesh)
     dims = [d for d, p in enumerate(g.placements) if p.is_shard()]
     key = tuple((id(mesh), d) for d in dims)
     return key, g.to_local(), [(mesh.get_group(d), device) for d in dims]
-
-
-def _mesh_device(device_type: str) -> torch.device:
-    module: Any = getattr(torch, device_type)
-    return torch.device(device_type, module.current_device())
 
 
 def _contribution(local: torch.Tensor, norm_type: float) -> torch.Tensor:

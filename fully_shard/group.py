@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from . import collectives, trace
 from .layout import FlatLayout
-from .param import MeshInfo, ShardedParam
+from .mesh import MeshInfo, SubgroupInfo
+from .param import ShardedParam
 from .policy import MixedPrecisionPolicy
 from .streams import CommContext, Pending
 
@@ -31,15 +32,6 @@ class GroupState(enum.Enum):
     UNSHARDING = "unsharding"  # all-gather issued, not yet waited
     UNSHARDED = "unsharded"
     PARTIALLY_SHARDED = "partially_sharded"  # sharded over a k-rank subgroup after forward
-
-
-@dataclass(frozen=True)
-class SubgroupInfo:
-    """The k-rank subgroup a partially resharded group gathers in (reshard_after_forward=k)."""
-
-    group: dist.ProcessGroup
-    rank: int
-    world: int
 
 
 @dataclass
@@ -102,6 +94,15 @@ class ParamGroup:
     def unsharded_nbytes(self) -> int:
         """Bytes of the gathered buffer at ``param_dtype`` (padding included)."""
         return self.flat.total_numel * self.param_dtype.itemsize
+
+    def check_subgroup(self, reshard_after_forward: bool | int | None) -> None:
+        """A k-rank partial reshard needs the k-rank subgroups created at fully_shard time."""
+        k = reshard_after_forward
+        if k is None or isinstance(k, bool) or not 1 < k < self.mesh_info.shard_world:
+            return
+        if self.subgroup is None or self.subgroup.world != k:
+            raise ValueError(f"set_reshard_after_forward({k}) needs the {k}-rank subgroups created at "
+                             f"fully_shard time. Fix: pass reshard_after_forward={k} to fully_shard.")
 
     # --- state machine ---------------------------------------------------------------------------
     def _transition(self, expected: set[GroupState], new: GroupState, action: str) -> None:

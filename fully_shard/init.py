@@ -34,6 +34,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .mesh import device_of
+from .tree import join_fqn
+
 __all__ = ["MaterializeReport", "default_init", "materialize_meta_module", "meta_tensor_names"]
 
 
@@ -94,7 +97,7 @@ def materialize_meta_module(module: nn.Module, *, device: torch.device | str | N
     missing = []
     for mod_name, mod, kind, name in _own_tensors(owners):
         tensor = getattr(mod, name)
-        fqn = f"{mod_name}.{name}" if mod_name else name
+        fqn = join_fqn(mod_name, name)
         if tensor is None or tensor.is_meta:
             missing.append(f"{fqn} ({kind}, still meta)")
             continue
@@ -115,14 +118,8 @@ def materialize_meta_module(module: nn.Module, *, device: torch.device | str | N
 def _default_device(module: nn.Module) -> torch.device:
     for p in module.parameters():
         if isinstance(p, DTensor):
-            kind = p.device_mesh.device_type
-            return torch.device("cpu") if kind == "cpu" else _current(kind)
+            return device_of(p.device_mesh)
     return torch.device("cpu")
-
-
-def _current(device_type: str) -> torch.device:
-    mod: Any = getattr(torch, device_type)
-    return torch.device(device_type, mod.current_device())
 
 
 def _meta_owners(module: nn.Module) -> dict[str, nn.Module]:
@@ -219,7 +216,7 @@ def _sync_replicated(owners: dict[str, nn.Module]) -> list[str]:
     synced = []
     for mod_name, mod, _kind, name in _own_tensors(owners):
         tensor = getattr(mod, name)
-        fqn = f"{mod_name}.{name}" if mod_name else name
+        fqn = join_fqn(mod_name, name)
         with torch.no_grad():
             if isinstance(tensor, DTensor):
                 mesh = tensor.device_mesh
@@ -242,7 +239,12 @@ def _broadcast_plain(tensor: torch.Tensor) -> None:
     backend = str(dist.get_backend()).lower()
     if tensor.device.type == "cpu" and "gloo" not in backend:
         acc = torch.accelerator.current_accelerator()
-        assert acc is not None, f"backend {backend!r} has no CPU support and no accelerator is present"
+        if acc is None:
+            raise RuntimeError(
+                f"materialize_meta_module broadcasts replicated (non-DTensor) tensors from rank 0, but the "
+                f"backend {backend!r} has no CPU support and no accelerator is present to stage them on. Fix: "
+                "initialize the process group with a backend that supports CPU tensors, e.g. "
+                "dist.init_process_group('gloo') or 'cpu:gloo,cuda:nccl'.")
         staged = tensor.to(acc)
         dist.broadcast(staged, src=0)
         tensor.copy_(staged.cpu())

@@ -69,6 +69,10 @@ class DimZeroLayout:
         start, end = self.row_range(rank)
         return end - start
 
+    def local_numel(self, rank: int) -> int:
+        """Elements of ``rank``'s unpadded shard (1 for a replicated tensor)."""
+        return 1 if self.replicated else self.local_rows(rank) * self.row_numel
+
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """Shape of ``rank``'s unpadded shard (what DTensor.to_local() returns)."""
         if self.replicated:
@@ -86,7 +90,7 @@ class DimZeroLayout:
         return 1 if self.replicated else self.world * self.padded_shard_numel
 
     def padding_numel(self, rank: int) -> int:
-        return self.padded_shard_numel - self.local_rows(rank) * self.row_numel
+        return self.padded_shard_numel - self.local_numel(rank)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world:

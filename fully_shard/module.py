@@ -9,6 +9,7 @@ from typing import Any
 import torch.nn as nn
 
 from .group import GroupState
+from .policy import check_reshard_after_forward
 from .state import FSDPState, get_state
 
 
@@ -81,10 +82,10 @@ class FSDPModule:
                 state.group.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
-        from .api import validate_reshard_after_forward
-
         for state in self._fsdp_states(recurse):
-            validate_reshard_after_forward(reshard_after_forward, state.mesh_info, state.group)
+            check_reshard_after_forward(reshard_after_forward, state.mesh_info.shard_world)
+            if state.group is not None:
+                state.group.check_subgroup(reshard_after_forward)
             state.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:

@@ -9,42 +9,12 @@ references stay valid while the memory is returned between uses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from .layout import DimZeroLayout
-
-
-@dataclass(frozen=True)
-class MeshInfo:
-    """The mesh a group shards over: a 1-D ``(shard,)`` or HSDP 2-D ``(replicate, shard)`` mesh."""
-
-    mesh: DeviceMesh
-    shard_group: dist.ProcessGroup
-    shard_rank: int
-    shard_world: int
-    replicate_group: dist.ProcessGroup | None = None
-    replicate_world: int = 1
-
-    def sharded_placements(self, dim: int = 0) -> tuple[Placement, ...]:
-        return (Replicate(), Shard(dim)) if self.mesh.ndim == 2 else (Shard(dim),)
-
-    @property
-    def replicated_placements(self) -> tuple[Placement, ...]:
-        return (Replicate(),) * self.mesh.ndim
-
-    @property
-    def device(self) -> torch.device:
-        dtype = self.mesh.device_type
-        if dtype == "cpu":
-            return torch.device("cpu")
-        module = getattr(torch, dtype)
-        return torch.device(dtype, module.current_device())
+from .mesh import MeshInfo
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -1,9 +1,11 @@
-"""Frozen policy types users pass to fully_shard: mixed precision, offload, sharding strategy."""
+"""Frozen policy types users pass to fully_shard: mixed precision, offload, sharding strategy, and the
+check of a reshard_after_forward value."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,3 +48,16 @@ class ShardingStrategy(enum.Enum):
     SHARD_GRAD_OP = "shard_grad_op"  # ZeRO-2: gathered params kept from forward to backward
     NO_SHARD = "no_shard"  # DDP semantics: replicated params, all-reduced grads
     HYBRID_SHARD = "hybrid_shard"  # HSDP: shard within a node, replicate across nodes (2-D mesh)
+
+
+def check_reshard_after_forward(value: Any, shard_world: int) -> None:
+    """``reshard_after_forward`` is None, a bool, or an int k dividing the shard group size."""
+    if value is None or isinstance(value, bool):
+        return
+    if not isinstance(value, int):
+        raise TypeError(f"reshard_after_forward must be None, a bool or an int, got {value!r}")
+    if value < 1 or shard_world % value:
+        raise ValueError(
+            f"reshard_after_forward={value} must divide the shard group size {shard_world} (it is the size of "
+            f"the subgroup params stay sharded over between forward and backward). Fix: use one of "
+            f"{[k for k in range(1, shard_world + 1) if shard_world % k == 0]}, or True/False.")

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from . import trace
 from .group import GroupState, ParamGroup
-from .param import MeshInfo
+from .mesh import MeshInfo
 from .policy import MixedPrecisionPolicy
 from .streams import CommContext
 from .tree import map_tensors, tensors

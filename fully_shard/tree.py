@@ -1,4 +1,5 @@
-"""Map a function over the tensors inside nested tuples, lists, dicts, namedtuples and dataclasses."""
+"""Walk nested containers: map over the tensors inside tuples, lists, dicts, namedtuples and dataclasses;
+join dotted FQNs."""
 
 from __future__ import annotations
 
@@ -43,3 +44,8 @@ def tensors(obj: Any) -> list[torch.Tensor]:
 
     map_tensors(collect, obj)
     return found
+
+
+def join_fqn(prefix: str, name: str) -> str:
+    """``prefix.name``, or ``name`` alone under the root (``prefix == ""``)."""
+    return f"{prefix}.{name}" if prefix else name

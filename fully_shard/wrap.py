@@ -19,10 +19,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .api import default_mesh, fully_shard
+from .api import fully_shard
 from .layout import DimZeroLayout
+from .mesh import default_mesh, replicate_mesh
 from .policy import MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
 from .state import get_state
+from .tree import join_fqn
 
 __all__ = [
     "GranularityPolicy",
@@ -89,9 +91,6 @@ def strategy_kwargs(strategy: ShardingStrategy, *, mesh: DeviceMesh | None = Non
     return {"mesh": mesh, "reshard_after_forward": strategy is ShardingStrategy.FULL_SHARD}
 
 
-_REPLICATE_MESHES: dict[tuple[str, tuple[int, ...]], DeviceMesh] = {}
-
-
 def _replicate_mesh(mesh: DeviceMesh | None, name: str) -> DeviceMesh:
     """NO_SHARD: the (W, 1) ('replicate', 'shard') mesh over the ranks of ``mesh`` (default: world).
 
@@ -110,12 +109,7 @@ def _replicate_mesh(mesh: DeviceMesh | None, name: str) -> DeviceMesh:
         raise ValueError(f"{name} expects a 1-D mesh (or a (W, 1) mesh), got shape {tuple(mesh.shape)}.")
     base = mesh if mesh is not None else default_mesh()
     _check_covers_world(base, name)
-    ranks = tuple(int(r) for r in base.mesh.reshape(-1).tolist())
-    key = (base.device_type, ranks)
-    if key not in _REPLICATE_MESHES:  # creating a mesh creates process groups: once per rank set
-        _REPLICATE_MESHES[key] = DeviceMesh(base.device_type, base.mesh.reshape(-1, 1),
-                                            mesh_dim_names=("replicate", "shard"))
-    return _REPLICATE_MESHES[key]
+    return replicate_mesh(base)  # creating a mesh creates process groups: once per rank set
 
 
 def _check_covers_world(mesh: DeviceMesh, name: str) -> None:
@@ -189,7 +183,7 @@ class ParamCountPolicy:
 
         def visit(prefix: str, module: nn.Module) -> None:
             for name, child in module.named_children():
-                visit(f"{prefix}.{name}" if prefix else name, child)
+                visit(join_fqn(prefix, name), child)
             if not prefix or not _has_forward(module):
                 return
             fresh = [p for p in module.parameters() if id(p) not in taken]
@@ -243,7 +237,7 @@ class GranularityPolicy:
             raise ValueError(f"GranularityPolicy: {type(model).__name__} has no ModuleList/Sequential of "
                              "same-class modules to group. Fix: pass block_classes={YourBlock}.")
         _, prefix, container = best
-        return [(f"{prefix}.{i}" if prefix else str(i), m) for i, m in enumerate(container.children())]
+        return [(join_fqn(prefix, str(i)), m) for i, m in enumerate(container.children())]
 
     def select(self, model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
         blocks = self.blocks(model)
@@ -382,7 +376,7 @@ def _resolve_ties(model: nn.Module, units: list[_Unit], notes: list[str]) -> Non
     for mod_name, module in model.named_modules():
         for pname, p in module._parameters.items():
             if p is not None:
-                fqn = f"{mod_name}.{pname}" if mod_name else pname
+                fqn = join_fqn(mod_name, pname)
                 holders.setdefault(id(p), (fqn, []))[1].append(mod_name)
     for _ in range(len(units) + len(holders) + 1):
         conflict = None

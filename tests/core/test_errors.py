@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from fully_shard import fully_shard
-from fully_shard.api import _mesh_info
+from fully_shard.mesh import MeshInfo
 from tests.distributed.harness import distributed
 from tests.models import TinyGPT
 
@@ -81,7 +81,7 @@ def test_model_differing_across_ranks_fails_on_every_rank_without_hanging() -> N
 def _mesh_too_large() -> None:
     fake = types.SimpleNamespace(ndim=1, shape=(4,), size=lambda dim=None: 4)
     with pytest.raises(ValueError, match=r"has 4 ranks but the world has 2.*init_device_mesh\(device, \(2,\)\)"):
-        _mesh_info(fake)  # type: ignore[arg-type]
+        MeshInfo.of(fake)  # type: ignore[arg-type]
 
 
 def test_mesh_world_size_mismatch() -> None:
