@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from . import collectives
 from .mesh import device_of
 
 __all__ = ["clip_grad_norm_", "total_grad_norm"]
@@ -75,7 +76,7 @@ def total_grad_norm(parameters: torch.Tensor | Iterable[torch.Tensor], norm_type
     for key, value in partial.items():  # same insertion order on every rank: collectives match
         for group, device in groups[key]:
             value = value.to(device)
-            dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+            collectives.all_reduce(value, group, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
         value = value.to(out_device)
         total = value if total is None else (torch.maximum(total, value) if inf else total + value)
     assert total is not None

@@ -1,20 +1,25 @@
-"""Flat-buffer collectives: pack -> all-gather -> unpack; pack -> reduce-scatter (-> all-reduce).
+"""Every collective the core issues: the flat-buffer data path and its few control-plane calls.
 
-See design/data-path.md. A group's tensors are laid out by ``layout.FlatLayout``: every rank owns one
-segment of ``shard_numel`` elements, each tensor's padded shard at a fixed offset inside it. The
-all-gather is in place (this rank's segment of the output is the input), so an unshard allocates one
-buffer; copy-out is one ``split_with_sizes_copy`` into the unsharded parameters.
+See design/data-path.md. Data path: pack -> all-gather -> unpack; pack -> reduce-scatter (-> HSDP
+all-reduce). A group's tensors are laid out by ``layout.FlatLayout``: every rank owns one segment of
+``shard_numel`` elements, each tensor's padded shard at a fixed offset inside it. The all-gather is in
+place (this rank's segment of the output is the input), so an unshard allocates one buffer; copy-out
+is one ``split_with_sizes_copy`` into the unsharded parameters. The k-rank partial all-gather
+(reshard_after_forward=k) is the same call over a ``SubgroupInfo`` of k ranks. Control plane: the
+structure check at lazy init, gradient-norm sums (clip.py) and meta-init broadcasts (init.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from .layout import FlatLayout
+from .mesh import SubgroupInfo
 from .param import ShardedParam
 
 AVG: dist.ReduceOp = dist.ReduceOp.AVG  # type: ignore[assignment]  # NCCL and gloo both average
@@ -28,25 +33,52 @@ def _reduce_scatter_fn():
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _segment(buffer: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """``rank``'s share of a flat buffer split evenly over ``world`` ranks."""
+    block = buffer.numel() // world
+    return buffer.narrow(0, rank * block, block)
+
+
+# --- all-gather ------------------------------------------------------------------------------------
 def all_gather_copy_in(params: Sequence[ShardedParam], flat: FlatLayout, rank: int, dtype: torch.dtype,
                        device: torch.device) -> torch.Tensor:
     """Allocate the gathered buffer and write this rank's padded shards (cast to ``dtype``) into
     its own segment. Returns the whole ``world * shard_numel`` buffer."""
     out = torch.empty(flat.total_numel, dtype=dtype, device=device)
-    segment = out.narrow(0, rank * flat.shard_numel, flat.shard_numel)
     parts = [part for p in params for part in p.copy_in_parts()]
     if parts and parts[0].device != device:  # CPU offload: shards live on the host
         parts = [part.to(device, non_blocking=True) for part in parts]
     if parts:
-        torch.cat(parts, out=segment)
+        torch.cat(parts, out=_segment(out, rank, flat.world))
     return out
 
 
-def all_gather(out: torch.Tensor, flat: FlatLayout, rank: int, group: dist.ProcessGroup,
-               async_op: bool) -> dist.Work | None:
-    """In-place all-gather of this rank's segment of ``out`` into the whole of ``out``."""
-    segment = out.narrow(0, rank * flat.shard_numel, flat.shard_numel)
-    return _all_gather_fn()(out, segment, group=group, async_op=async_op)
+def partial_all_gather_copy_in(block: torch.Tensor, flat: FlatLayout, over: SubgroupInfo, dtype: torch.dtype,
+                               device: torch.device) -> torch.Tensor:
+    """reshard_after_forward=k: allocate the gathered buffer and write the block this rank kept
+    (``partial_shard_copy_in``) into its k-subgroup segment."""
+    out = torch.empty(flat.total_numel, dtype=dtype, device=device)
+    _segment(out, over.rank, over.world).copy_(block)
+    return out
+
+
+def all_gather(out: torch.Tensor, over: SubgroupInfo, async_op: bool) -> dist.Work | None:
+    """In-place all-gather over ``over`` (the shard group or a k-subgroup) of this rank's segment of
+    ``out`` into the whole of ``out``."""
+    return all_gather_into(out, _segment(out, over.rank, over.world), over.group, async_op=async_op)
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *,
+                    async_op: bool = False) -> dist.Work | None:
+    """``out`` = every rank's ``inp`` back to back (the one call of torch's tensor all-gather)."""
+    return _all_gather_fn()(out, inp, group=group, async_op=async_op)
+
+
+def all_gather_object(obj: Any, group: dist.ProcessGroup) -> list[Any]:
+    """Every rank's ``obj`` (pickled; error paths only)."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def all_gather_copy_out(out: torch.Tensor, params: Sequence[ShardedParam], flat: FlatLayout) -> None:
@@ -62,18 +94,20 @@ def all_gather_copy_out(out: torch.Tensor, params: Sequence[ShardedParam], flat:
             p.unsharded_write.copy_(dst[0])
 
 
-def partial_shard_copy_in(params: Sequence[ShardedParam], flat: FlatLayout, sub_rank: int,
-                          sub_world: int) -> torch.Tensor:
+def partial_shard_copy_in(params: Sequence[ShardedParam], flat: FlatLayout,
+                          over: SubgroupInfo) -> torch.Tensor:
     """The block of the gathered buffer a rank keeps after a partial reshard: segments
-    ``[sub_rank * W/k, (sub_rank + 1) * W/k)``, rebuilt from the unsharded params (one cat)."""
+    ``[r * W/k, (r + 1) * W/k)`` for its rank ``r`` in the k-subgroup ``over``, rebuilt from the
+    unsharded params (one cat)."""
     world = flat.world
-    per = world // sub_world
-    rows = slice(sub_rank * per, (sub_rank + 1) * per)
+    per = world // over.world
+    rows = slice(over.rank * per, (over.rank + 1) * per)
     parts = [p.unsharded_write.view(1, 1).expand(per, 1) if p.layout.replicated
              else p.unsharded_write.view(world, size)[rows] for p, size in zip(params, flat.sizes)]
     return torch.cat(parts, dim=1).view(-1)
 
 
+# --- reduce-scatter and all-reduce -------------------------------------------------------------------
 def reduce_scatter_copy_in(grads: Sequence[torch.Tensor | None], params: Sequence[ShardedParam],
                            flat: FlatLayout, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Pack unsharded grads into a ``(world, shard_numel)`` buffer of ``dtype``; row r goes to rank r.
@@ -105,7 +139,12 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGrou
     return _reduce_scatter_fn()(out, inp, op=op, group=group, async_op=async_op)
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp,
-               async_op: bool) -> dist.Work | None:
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None,
+               op: dist.ReduceOp | dist.ReduceOp.RedOpType, *, async_op: bool = False) -> dist.Work | None:
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
+    """Synchronous broadcast from global rank ``src`` (meta-init of replicated tensors)."""
+    dist.broadcast(tensor, src=src, group=group)
 

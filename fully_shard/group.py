@@ -1,6 +1,7 @@
 """ParamGroup: the unit of communication (one fully_shard call); unshard, reshard and reduce.
 
-See design/param-lifecycle.md for the state machine and design/data-path.md for the buffers:
+See design/param-lifecycle.md for the state machine and design/data-path.md for the buffers (every
+collective call itself lives in collectives.py, the streams it runs on in streams.py):
 
     SHARDED --unshard()--> UNSHARDING --wait_for_unshard()--> UNSHARDED
        ^                                                          |
@@ -14,10 +15,10 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from . import collectives, trace
 from .layout import FlatLayout
@@ -55,12 +56,12 @@ class ParamGroup:
         self.subgroup = subgroup
         self.flat = FlatLayout(tuple(p.layout for p in params))
         self.state = GroupState.SHARDED
-        self.comm: CommContext = CommContext(device)  # replaced by the root's at lazy init
-        self.phase = trace.Phase.EXPLICIT
+        self.comm: CommContext | None = None  # the root's, set at lazy init
         self._pending_unshard: tuple[torch.Tensor, Pending, trace.Event | None] | None = None
         self._partial_shard: torch.Tensor | None = None
         self._pending_reduces: list[_PendingReduce] = []
         self._partial_reduce_output: torch.Tensor | None = None  # HSDP without all-reduce
+        self._grad_flat: tuple[tuple[bool, ...], list[ShardedParam], FlatLayout] | None = None
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.reshard_after_backward = True
@@ -88,7 +89,16 @@ class ParamGroup:
 
     @property
     def grad_params(self) -> list[ShardedParam]:
-        return [p for p in self.params if p.requires_grad]
+        return self._grad_layout()[0]
+
+    def _grad_layout(self) -> tuple[list[ShardedParam], FlatLayout]:
+        """The parameters that take gradients and their flat layout (the reduce-scatter buffers),
+        rebuilt only when a parameter's ``requires_grad`` changed."""
+        key = tuple(p.requires_grad for p in self.params)
+        if self._grad_flat is None or self._grad_flat[0] != key:
+            params = [p for p in self.params if p.requires_grad]
+            self._grad_flat = (key, params, FlatLayout(tuple(p.layout for p in params)))
+        return self._grad_flat[1], self._grad_flat[2]
 
     @property
     def unsharded_nbytes(self) -> int:
@@ -112,71 +122,83 @@ class ParamGroup:
                                f"{names}, found {self.state.name}")
         self.state = new
 
-    def _emit(self, kind: trace.EventKind, **kw: object) -> trace.Event | None:
+    def _emit(self, kind: trace.EventKind, phase: trace.Phase, **kw: object) -> trace.Event | None:
         if not trace.enabled():
             return None
-        event = trace.Event(kind, self.fqn, self.phase, **kw)  # type: ignore[arg-type]
+        event = trace.Event(kind, self.fqn, phase, **kw)  # type: ignore[arg-type]
         trace.emit(event)
         return event
 
+    @property
+    def _comm(self) -> CommContext:
+        if self.comm is None:
+            raise RuntimeError(f"fully_shard unit {self.fqn or '<root>'}: communication before lazy init "
+                               "(the first forward, or unshard() on a module passed to fully_shard, sets it "
+                               "up). Fix: run a forward first, or call unshard() on the FSDP module.")
+        return self.comm
+
     # --- unshard -------------------------------------------------------------------------------
-    def lazy_init(self) -> None:
+    def lazy_init(self, comm: CommContext) -> None:
+        self.comm = comm
         for p in self.params:
             p.adopt_module_param()
             p.init_unsharded(self.param_dtype, self.device)
         self._check_dtypes()
 
-    def unshard(self, *, prefetch: bool = False) -> None:
+    def unshard(self, phase: trace.Phase = trace.Phase.EXPLICIT, *, prefetch: bool = False) -> None:
         """Issue the all-gather (asynchronously); ``wait_for_unshard`` makes the params usable."""
         if self.state in (GroupState.UNSHARDED, GroupState.UNSHARDING) or not self.params:
             return
         partial = self.state is GroupState.PARTIALLY_SHARDED
         self._transition({GroupState.SHARDED, GroupState.PARTIALLY_SHARDED}, GroupState.UNSHARDING, "unshard")
-        ctx = self.comm
-        rank = self.mesh_info.shard_rank
+        over = self._gather_over(partial)
         with torch.no_grad():
-            current = ctx.current_stream()
-            copy_in_stream = ctx.stream("all_gather_copy_in")
-            ctx.wait_stream(copy_in_stream, current)  # shards may have just been updated by the optimizer
-            with ctx.on(copy_in_stream):
-                ctx.release_all_gather_buffer()
-                if partial:
-                    assert self.subgroup is not None and self._partial_shard is not None
-                    out = torch.empty(self.flat.total_numel, dtype=self.param_dtype, device=self.device)
-                    block = self._partial_shard.numel()
-                    out.narrow(0, self.subgroup.rank * block, block).copy_(self._partial_shard)
-                    self._partial_shard = None
-                else:
-                    out = collectives.all_gather_copy_in(self.params, self.flat, rank, self.param_dtype,
-                                                         self.device)
-            ctx.wait_stream(ctx.stream("all_gather"), copy_in_stream)
-            if partial:
-                assert self.subgroup is not None
-                sub = self.subgroup
-                block = out.numel() // sub.world
-                segment = out.narrow(0, sub.rank * block, block)
-                fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-                pending = ctx.issue("all_gather", lambda a: fn(out, segment, group=sub.group, async_op=a))
-                group_size = sub.world
-            else:
-                pending = ctx.issue("all_gather", lambda a: collectives.all_gather(
-                    out, self.flat, rank, self.mesh_info.shard_group, a))
-                group_size = self.mesh_info.shard_world
-        event = self._emit(trace.EventKind.ALL_GATHER, nbytes=out.numel() * out.element_size(),
-                           group_size=group_size, prefetch=prefetch, timing=pending.timing)
+            out = self._copy_in(partial)
+            pending = self._issue_all_gather(out, over)
+        event = self._emit(trace.EventKind.ALL_GATHER, phase, nbytes=_nbytes(out),
+                           group_size=over.world, prefetch=prefetch, timing=pending.timing)
         self._pending_unshard = (out, pending, event)
 
-    def wait_for_unshard(self) -> None:
+    def _gather_over(self, partial: bool) -> SubgroupInfo:
+        """The ranks the all-gather runs over: the k-subgroup after a partial reshard, else the shard
+        group."""
+        if not partial:
+            return self.mesh_info.shard_subgroup
+        assert self.subgroup is not None
+        return self.subgroup
+
+    def _copy_in(self, partial: bool) -> torch.Tensor:
+        """A fresh gathered buffer holding this rank's segment, written on the copy-in stream."""
+        ctx = self._comm
+        copy_in_stream = ctx.stream("all_gather_copy_in")
+        # the shards may have just been updated by the optimizer on the compute stream
+        ctx.wait_stream(copy_in_stream, ctx.current_stream())
+        with ctx.on(copy_in_stream):
+            ctx.release_all_gather_buffer()
+            if not partial:
+                return collectives.all_gather_copy_in(self.params, self.flat, self.mesh_info.shard_rank,
+                                                      self.param_dtype, self.device)
+            assert self.subgroup is not None and self._partial_shard is not None
+            block, self._partial_shard = self._partial_shard, None
+            return collectives.partial_all_gather_copy_in(block, self.flat, self.subgroup, self.param_dtype,
+                                                          self.device)
+
+    def _issue_all_gather(self, out: torch.Tensor, over: SubgroupInfo) -> Pending:
+        ctx = self._comm
+        ctx.wait_stream(ctx.stream("all_gather"), ctx.stream("all_gather_copy_in"))
+        return ctx.issue("all_gather", lambda a: collectives.all_gather(out, over, a))
+
+    def wait_for_unshard(self, phase: trace.Phase = trace.Phase.EXPLICIT) -> None:
         """Finish the all-gather, copy out into the unsharded params and register them."""
         if self.state is GroupState.UNSHARDED or not self.params:
             return
         if self.state is not GroupState.UNSHARDING:
-            self.unshard()
+            self.unshard(phase)
         assert self._pending_unshard is not None
         out, pending, event = self._pending_unshard
         self._pending_unshard = None
         t0 = time.perf_counter()
-        pending.wait(self.comm)
+        pending.wait(self._comm)
         exposed = time.perf_counter() - t0
         if event is not None:
             event.t_end = time.perf_counter()
@@ -185,17 +207,17 @@ class ParamGroup:
             for p in self.params:
                 p.alloc_unsharded()
             collectives.all_gather_copy_out(out, self.params, self.flat)
-        self.comm.hold_all_gather_buffer(out)
+        self._comm.hold_all_gather_buffer(out)
         for p in self.params:
             p.register_unsharded()
         self._transition({GroupState.UNSHARDING}, GroupState.UNSHARDED, "finish unshard")
-        self._emit(trace.EventKind.UNSHARD, nbytes=self.unsharded_nbytes, exposed_s=exposed)
+        self._emit(trace.EventKind.UNSHARD, phase, nbytes=self.unsharded_nbytes, exposed_s=exposed)
 
     # --- reshard -------------------------------------------------------------------------------
-    def reshard(self, *, partial: bool = False) -> None:
+    def reshard(self, phase: trace.Phase = trace.Phase.EXPLICIT, *, partial: bool = False) -> None:
         """Free the unsharded params; with ``partial`` keep this rank's k-subgroup block first."""
         if self.state is GroupState.UNSHARDING:
-            self.wait_for_unshard()
+            self.wait_for_unshard(phase)
         if self.state is not GroupState.UNSHARDED:
             if self.state is GroupState.PARTIALLY_SHARDED and not partial:
                 self._partial_shard = None
@@ -205,40 +227,39 @@ class ParamGroup:
         if keep:
             assert self.subgroup is not None
             with torch.no_grad():
-                self._partial_shard = collectives.partial_shard_copy_in(
-                    self.params, self.flat, self.subgroup.rank, self.subgroup.world)
+                self._partial_shard = collectives.partial_shard_copy_in(self.params, self.flat, self.subgroup)
         for p in self.params:
             p.free_unsharded()
             p.register_sharded()
         new = GroupState.PARTIALLY_SHARDED if keep else GroupState.SHARDED
         self._transition({GroupState.UNSHARDED}, new, "reshard")
-        self._emit(trace.EventKind.RESHARD, nbytes=self._partial_shard.numel() * self._partial_shard.element_size()
-                   if keep and self._partial_shard is not None else 0)
+        kept = self._partial_shard if keep else None
+        self._emit(trace.EventKind.RESHARD, phase, nbytes=_nbytes(kept) if kept is not None else 0)
 
-    # --- gradients -----------------------------------------------------------------------------
+    # --- gradients (always reduced in, or finished after, a backward) ---------------------------
     def has_unsharded_grads(self) -> bool:
         return any(p.unsharded_param is not None and p.unsharded_param.grad is not None
                    for p in self.grad_params)
 
-    def reduce_grads(self, *, reshard_first: bool = False) -> None:
-        """Post-backward: reduce-scatter the unsharded grads (or stash them when sync is off).
+    def reduce_grads(self, *, reshard_first: bool = False) -> bool:
+        """Post-backward: reduce-scatter the unsharded grads (or stash them when sync is off); True
+        when a reduce was issued (the caller queues the group, see ``ReduceQueue``).
 
         ``reshard_first``: free the unsharded params once their grads are taken, before the reduce
         buffers are allocated (as torch's FSDP2 does): the peak holds one unit's params less."""
-        params = self.grad_params
+        params, flat = self._grad_layout()
         if not params:
-            return
+            return False
         if not self.requires_gradient_sync:
             for p in params:
                 p.stash_unsharded_grad(self.reduce_dtype)
-            return
+            return False
         grads = [p.take_unsharded_grad() for p in params]
         if all(g is None for g in grads):
-            return
+            return False
         if reshard_first:
-            self.reshard()
-        flat = FlatLayout(tuple(p.layout for p in params))
-        ctx = self.comm
+            self.reshard(trace.Phase.BACKWARD)
+        ctx = self._comm
         with torch.no_grad():
             ctx.release_reduce_scatter_input()
             inp = collectives.reduce_scatter_copy_in(grads, params, flat, self.reduce_dtype, self.device)
@@ -253,25 +274,24 @@ class ParamGroup:
         if ctx.accelerated:  # keep the input until its collective is done (see streams.py)
             ctx.hold_reduce_scatter_input(inp, pending.event)
         self._pending_reduces.append(_PendingReduce(out, pending, hsdp, None if ctx.accelerated else inp))
-        self._emit(trace.EventKind.REDUCE_SCATTER, nbytes=inp.numel() * inp.element_size(),
-                   group_size=self.mesh_info.shard_world, timing=pending.timing)
-        ctx.queue_reduce(self)
+        self._emit(trace.EventKind.REDUCE_SCATTER, trace.Phase.BACKWARD,
+                   nbytes=_nbytes(inp), group_size=self.mesh_info.shard_world, timing=pending.timing)
+        return True
 
     def finish_reduces(self) -> None:
         """Wait for this group's reduce-scatters (and HSDP all-reduces); assign sharded grads."""
         if not self._pending_reduces:
             return
-        params = self.grad_params
-        flat = FlatLayout(tuple(p.layout for p in params))
+        params, flat = self._grad_layout()
         for item in self._pending_reduces:
-            item.pending.wait(self.comm)
+            item.pending.wait(self._comm)
             output: torch.Tensor | None = item.output
             if item.needs_all_reduce:
                 output = self._all_reduce_replicas(item.output)
             if output is not None:
                 self._assign_grads(output, params, flat)
         self._pending_reduces.clear()
-        self._emit(trace.EventKind.REDUCE_DONE)
+        self._emit(trace.EventKind.REDUCE_DONE, trace.Phase.BACKWARD)
 
     def _all_reduce_replicas(self, output: torch.Tensor) -> torch.Tensor | None:
         """HSDP: average the reduce-scattered shard across replicas (or keep accumulating)."""
@@ -283,12 +303,13 @@ class ParamGroup:
             return None
         group = self.mesh_info.replicate_group
         assert group is not None
-        ctx = self.comm
+        ctx = self._comm
         ar_stream = ctx.stream("all_reduce")
         ctx.wait_stream(ar_stream, ctx.current_stream())
-        pending = ctx.issue("all_reduce", lambda a: collectives.all_reduce(output, group, collectives.AVG, a))
-        self._emit(trace.EventKind.ALL_REDUCE, nbytes=output.numel() * output.element_size(),
-                   group_size=self.mesh_info.replicate_world, timing=pending.timing)
+        pending = ctx.issue("all_reduce", lambda a: collectives.all_reduce(output, group, collectives.AVG,
+                                                                           async_op=a))
+        self._emit(trace.EventKind.ALL_REDUCE, trace.Phase.BACKWARD,
+                   nbytes=_nbytes(output), group_size=self.mesh_info.replicate_world, timing=pending.timing)
         pending.wait(ctx)
         return output
 
@@ -296,11 +317,39 @@ class ParamGroup:
         rank = self.mesh_info.shard_rank
         with torch.no_grad():
             for p, offset in zip(params, flat.offsets):
-                local_numel = 1 if p.layout.replicated else p.layout.local_rows(rank) * p.layout.row_numel
-                local = output.narrow(0, offset, local_numel).view(p.layout.local_shape(rank))
+                local = output.narrow(0, offset, p.layout.local_numel(rank)).view(p.layout.local_shape(rank))
                 p.set_sharded_grad(local)
 
     def __repr__(self) -> str:
         lines = [f"ParamGroup({self.fqn or '<root>'}, {self.state.name}, {len(self.params)} params)"]
         lines += [f"  {p!r}" for p in self.params]
         return "\n".join(lines)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class ReduceQueue:
+    """The groups of one root with reduces in flight, oldest first; ``push`` finishes the oldest
+    beyond ``max_in_flight`` so reduce buffers stay bounded instead of piling up until the end of
+    backward.
+
+    ``max_in_flight``: 2 on accelerators; 0 on CPU (finish right away), where a reduce in flight pins
+    its input and output (1.5x the unit) through the next unit's backward while its gloo thread
+    competes with that compute for the same cores: measured no faster on 2 ranks x 1 core, ~20 MB
+    higher peak RSS on the 50M-parameter benchmark (benchmarks/memory.py)."""
+
+    def __init__(self, *, accelerated: bool) -> None:
+        self.max_in_flight = 2 if accelerated else 0
+        self._groups: deque[ParamGroup] = deque()
+
+    def push(self, group: ParamGroup) -> None:
+        if group not in self._groups:
+            self._groups.append(group)
+        while len(self._groups) > self.max_in_flight:
+            self._groups.popleft().finish_reduces()
+
+    def drain(self) -> None:
+        while self._groups:
+            self._groups.popleft().finish_reduces()

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from . import collectives
 from .mesh import device_of
 from .tree import join_fqn
 
@@ -224,7 +225,7 @@ def _sync_replicated(owners: dict[str, nn.Module]) -> list[str]:
                 local = tensor.to_local()
                 for d in dims:
                     group = mesh.get_group(d)
-                    dist.broadcast(local, src=dist.get_global_rank(group, 0), group=group)
+                    collectives.broadcast(local, dist.get_global_rank(group, 0), group)
                 if dims:
                     synced.append(fqn)
             else:
@@ -246,10 +247,10 @@ def _broadcast_plain(tensor: torch.Tensor) -> None:
                 "initialize the process group with a backend that supports CPU tensors, e.g. "
                 "dist.init_process_group('gloo') or 'cpu:gloo,cuda:nccl'.")
         staged = tensor.to(acc)
-        dist.broadcast(staged, src=0)
+        collectives.broadcast(staged, 0)
         tensor.copy_(staged.cpu())
     else:
-        dist.broadcast(tensor, src=0)
+        collectives.broadcast(tensor, 0)
 
 
 def _write_stamp(t: torch.Tensor) -> tuple[int, int, int]:

@@ -120,7 +120,8 @@ def _world_key() -> tuple[object, int]:
     return dist.group.WORLD, dist.get_rank()
 
 
-def subgroup(mesh: DeviceMesh, info: MeshInfo, reshard_after_forward: bool | int | None) -> SubgroupInfo | None:
+def subgroup(mesh: DeviceMesh, info: MeshInfo,
+             reshard_after_forward: bool | int | None) -> SubgroupInfo | None:
     """Create (collectively, once per mesh and k) the k-rank subgroups of every shard group; return
     this rank's, or None when ``reshard_after_forward`` needs none."""
     k = reshard_after_forward

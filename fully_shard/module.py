@@ -10,7 +10,8 @@ import torch.nn as nn
 
 from .group import GroupState
 from .policy import check_reshard_after_forward
-from .state import FSDPState, get_state
+from .state import FSDPState, get_state, states_under
+from .tree import join_fqn
 
 
 class UnshardHandle:
@@ -44,12 +45,8 @@ class FSDPModule:
         if not recurse:
             yield self._fsdp
             return
-        seen: set[int] = set()
-        for sub in self.modules():  # type: ignore[attr-defined]
-            state = get_state(sub)
-            if state is not None and id(state) not in seen:
-                seen.add(id(state))
-                yield state
+        for _, state in states_under(self):  # type: ignore[arg-type]
+            yield state
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this unit's parameters now (e.g. before a forward that skips hooks)."""
@@ -106,13 +103,10 @@ class FSDPModule:
 
     def fsdp_repr(self) -> str:
         """One line per managed parameter: ``blocks.0.up.weight f32[157@shard/2, 60] SHARDED``."""
-        lines, seen = [], set()
-        for prefix, sub in self.named_modules():  # type: ignore[attr-defined]
-            state = get_state(sub)
-            if state is None or state.group is None or id(state) in seen:
-                continue
-            seen.add(id(state))
-            lines += [p.describe(f"{prefix}.{p.local_fqn}" if prefix else p.local_fqn) for p in state.group.params]
+        lines = []
+        for prefix, state in states_under(self):  # type: ignore[arg-type]
+            if state.group is not None:
+                lines += [p.describe(join_fqn(prefix, p.local_fqn)) for p in state.group.params]
         return "\n".join(lines)
 
     @property

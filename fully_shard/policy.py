@@ -58,6 +58,6 @@ def check_reshard_after_forward(value: Any, shard_world: int) -> None:
         raise TypeError(f"reshard_after_forward must be None, a bool or an int, got {value!r}")
     if value < 1 or shard_world % value:
         raise ValueError(
-            f"reshard_after_forward={value} must divide the shard group size {shard_world} (it is the size of "
-            f"the subgroup params stay sharded over between forward and backward). Fix: use one of "
+            f"reshard_after_forward={value} must divide the shard group size {shard_world} (it is the "
+            f"size of the subgroup params stay sharded over between forward and backward). Fix: use one of "
             f"{[k for k in range(1, shard_world + 1) if shard_world % k == 0]}, or True/False.")

@@ -7,22 +7,20 @@ recorded forward order used for implicit prefetching, and the end-of-backward ca
 
 from __future__ import annotations
 
-import difflib
 import enum
-import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from . import trace
-from .group import GroupState, ParamGroup
+from .checks import check_not_meta, check_same_structure
+from .group import GroupState, ParamGroup, ReduceQueue
 from .mesh import MeshInfo
 from .policy import MixedPrecisionPolicy
 from .streams import CommContext
-from .tree import map_tensors, tensors
+from .trace import Phase
+from .tree import join_fqn, map_tensors, tensors
 
 
 class TrainingState(enum.Enum):
@@ -38,6 +36,7 @@ class RootContext:
     def __init__(self, states: list[FSDPState], device: torch.device) -> None:
         self.states = states
         self.comm = CommContext(device)
+        self.reduces = ReduceQueue(accelerated=self.comm.accelerated)
         self.forward_order: list[FSDPState] = []
         self.order_frozen = False
         self.callback_queued = False
@@ -76,29 +75,30 @@ class FSDPState:
         if self.root is not None:
             return
         module = self.modules[0]
-        states: list[FSDPState] = []
-        fqns: dict[int, str] = {}
-        for name, sub in module.named_modules():
-            state = get_state(sub)
-            if state is not None and id(state) not in fqns:
-                states.append(state)
-                fqns[id(state)] = name
-        _check_not_meta(module)
+        found = list(states_under(module))
+        check_not_meta(module)
         for group in (self.mesh_info.shard_group, self.mesh_info.replicate_group):
             if group is not None:
-                _check_same_structure(module, self.device, group)
-        root = RootContext(states, self.device)
-        for state in states:
+                check_same_structure(module, self.device, group)
+        root = RootContext([state for _, state in found], self.device)
+        for fqn, state in found:
             state.root = root
             state.is_root = state is self
-            state.fqn = fqns[id(state)]
+            state.fqn = fqn
             if state.group is not None:
-                state.group.fqn = state.fqn
-                state.group.comm = root.comm
-                state.group.lazy_init()
+                state.group.fqn = fqn
+                state.group.lazy_init(root.comm)
                 for p in state.group.params:
-                    p.fqn = f"{state.fqn}.{p.local_fqn}" if state.fqn else p.local_fqn
+                    p.fqn = join_fqn(fqn, p.local_fqn)
         self.is_root = True
+
+    @property
+    def _root(self) -> RootContext:
+        if self.root is None:
+            name = self.fqn or type(self.modules[0]).__name__
+            raise RuntimeError(f"fully_shard unit {name!r} has no root: it ran a hook before lazy init. "
+                               "Fix: run the first forward through the outermost module passed to fully_shard.")
+        return self.root
 
     def _reshard_for_state_dict(self, *_: Any) -> None:
         """``state_dict()``/``load_state_dict()`` between steps always see the sharded DTensors, even
@@ -124,14 +124,13 @@ class FSDPState:
             self.lazy_init()
         if self.training_state is TrainingState.PRE_BACKWARD:  # activation-checkpoint recompute
             if self.group is not None:
-                self.group.wait_for_unshard()
+                self.group.wait_for_unshard(Phase.BACKWARD)
             return args, kwargs
         if self._modules_to_run:  # a list unit whose first module already ran this forward
             self._modules_to_run.discard(module)
             return args, kwargs
         self._modules_to_run = set(self.modules) - {module}
-        root = self.root
-        assert root is not None
+        root = self._root
         if self.is_root:
             self._root_pre_forward()
             args, kwargs = self._move_inputs_to_device(args, kwargs)
@@ -140,10 +139,9 @@ class FSDPState:
         self.training_state = TrainingState.FORWARD
         args, kwargs = self._cast_inputs(args, kwargs)
         if self.group is not None:
-            self.group.phase = trace.Phase.FORWARD
-            self.group.unshard()
-            self.group.wait_for_unshard()
-        self._prefetch(self._forward_targets())
+            self.group.unshard(Phase.FORWARD)
+            self.group.wait_for_unshard(Phase.FORWARD)
+        self._prefetch(self._forward_targets(), Phase.FORWARD)
         if torch.is_grad_enabled():
             args, kwargs = _register_post_backward(self, args, kwargs)
         return args, kwargs
@@ -158,11 +156,11 @@ class FSDPState:
         if self.group is not None:
             if not grad_enabled:  # no backward needs them; only an explicit False keeps them gathered
                 if self.reshard_after_forward is not False:
-                    self.group.reshard()
+                    self.group.reshard(Phase.FORWARD)
             elif raf is True:
-                self.group.reshard()
+                self.group.reshard(Phase.FORWARD)
             elif raf is not False:
-                self.group.reshard(partial=True)
+                self.group.reshard(Phase.FORWARD, partial=True)
         if grad_enabled:
             output = self._register_pre_backward(output)
         self.training_state = TrainingState.IDLE
@@ -172,11 +170,10 @@ class FSDPState:
         return output
 
     def _root_pre_forward(self) -> None:
-        root = self.root
-        assert root is not None
+        root = self._root
         if root.forward_order:
             root.order_frozen = True
-        root.comm.drain_reduces()
+        root.reduces.drain()
 
     def _move_inputs_to_device(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.device.type == "cpu":
@@ -210,12 +207,11 @@ class FSDPState:
         i = root.forward_order.index(self) + step
         return [root.forward_order[i]] if 0 <= i < len(root.forward_order) else []
 
-    def _prefetch(self, targets: list[FSDPState]) -> None:
+    def _prefetch(self, targets: list[FSDPState], phase: Phase) -> None:
         for target in targets:
             group = target.group
             if group is not None and group.state in (GroupState.SHARDED, GroupState.PARTIALLY_SHARDED):
-                group.phase = self.group.phase if self.group is not None else trace.Phase.FORWARD
-                group.unshard(prefetch=True)
+                group.unshard(phase, prefetch=True)
 
     # --- backward ----------------------------------------------------------------------------------
     def _register_pre_backward(self, output: Any) -> Any:
@@ -225,8 +221,7 @@ class FSDPState:
         return output
 
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        root = self.root
-        assert root is not None
+        root = self._root
         if not root.callback_queued:
             root.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._root_final_callback)
@@ -234,10 +229,9 @@ class FSDPState:
             return grad
         self.training_state = TrainingState.PRE_BACKWARD
         if self.group is not None:
-            self.group.phase = trace.Phase.BACKWARD
-            self.group.unshard()
-            self.group.wait_for_unshard()
-        self._prefetch(self._backward_targets())
+            self.group.unshard(Phase.BACKWARD)
+            self.group.wait_for_unshard(Phase.BACKWARD)
+        self._prefetch(self._backward_targets(), Phase.BACKWARD)
         return grad
 
     def post_backward(self) -> None:
@@ -246,27 +240,29 @@ class FSDPState:
         group = self.group
         if group is None:
             return
-        group.phase = trace.Phase.BACKWARD
         if group.state is GroupState.UNSHARDED:
-            group.reduce_grads(reshard_first=group.reshard_after_backward)
+            self._reduce(group)
             if group.reshard_after_backward:
-                group.reshard()
+                group.reshard(Phase.BACKWARD)
+
+    def _reduce(self, group: ParamGroup) -> None:
+        """Reduce-scatter ``group``'s grads and queue it; the root's queue decides when it finishes."""
+        if group.reduce_grads(reshard_first=group.reshard_after_backward):
+            self._root.reduces.push(group)
 
     def _root_final_callback(self) -> None:
         """End of backward: reduce what no post-backward hook caught, reshard, finish reduces."""
-        root = self.root
-        assert root is not None
+        root = self._root
         for state in root.states:
             group = state.group
             if group is not None:
-                group.phase = trace.Phase.BACKWARD
                 if group.has_unsharded_grads():
-                    group.reduce_grads(reshard_first=group.reshard_after_backward)
+                    self._reduce(group)
                 if group.state is not GroupState.SHARDED and group.reshard_after_backward:
-                    group.reshard()
+                    group.reshard(Phase.BACKWARD)
             state.training_state = TrainingState.IDLE
         if self.is_last_backward:  # else finished by the next backward or the next forward
-            root.comm.drain_reduces()
+            root.reduces.drain()
         root.callback_queued = False
         root.order_frozen = True
 
@@ -300,35 +296,12 @@ def get_state(module: nn.Module) -> FSDPState | None:
     return module.__dict__.get("_fsdp_state")
 
 
-def _check_same_structure(module: nn.Module, device: torch.device, group: dist.ProcessGroup) -> None:
-    """Every rank must shard the same parameters with the same shapes, or the collectives would hang
-    or mix up bytes; compare a digest across ranks once, at lazy init, and show a diff if it differs."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return
-    desc = [f"{name}: {tuple(p.shape)} {p.dtype}" for name, p in module.named_parameters()]
-    digest = int.from_bytes(hashlib.blake2b("\n".join(desc).encode(), digest_size=7).digest(), "little")
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
-    every = torch.empty(world, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine, group=group)
-    if bool((every == every[0]).all()):
-        return
-    descs: list[Any] = [None] * world
-    dist.all_gather_object(descs, desc, group=group)  # error path only: fetch the structures to show a diff
-    bad = next(r for r, d in enumerate(descs) if d != descs[0])
-    diff = "\n".join(difflib.unified_diff(descs[0], descs[bad], "rank 0", f"rank {bad}", lineterm=""))
-    raise RuntimeError(
-        f"the model differs across ranks (group rank {bad} vs group rank 0): fully_shard needs every rank to build the "
-        f"same parameters with the same shapes and dtypes ({world} ranks in this mesh dimension).\n{diff}\n"
-        "Fix: build the model identically on every rank (same config; seed only the init).")
-
-
-def _check_not_meta(module: nn.Module) -> None:
-    meta = [name for name, p in module.named_parameters() if p.is_meta]
-    meta += [name for name, b in module.named_buffers() if b.is_meta]
-    if meta:
-        shown = ", ".join(meta[:8]) + (f", ... ({len(meta)} in all)" if len(meta) > 8 else "")
-        raise RuntimeError(
-            f"forward on a module whose parameters/buffers are still on the meta device: {shown}. "
-            "Fix: after fully_shard, call model.to_empty(device=...) and initialize them "
-            "(e.g. reset_parameters() per module, or fully_shard.init.materialize_meta_module(model)).")
+def states_under(module: nn.Module) -> Iterator[tuple[str, FSDPState]]:
+    """Every fully_shard state at or below ``module``, once each (a list unit is reached through its
+    first module), with the FQN of that module relative to ``module``, in ``named_modules`` order."""
+    seen: set[int] = set()
+    for fqn, sub in module.named_modules():
+        state = get_state(sub)
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
+            yield fqn, state

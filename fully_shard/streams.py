@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +65,6 @@ class CommContext:
         self.accelerated = device.type != "cpu"
         self.all_gather_state: tuple[torch.Tensor, Any] | None = None
         self.reduce_scatter_state: tuple[torch.Tensor, Any] | None = None
-        self.reduce_queue: deque[Any] = deque()  # groups with reduce-scatters in flight, oldest first
         if self.accelerated:
             mod = torch.get_device_module(device)
             # Higher priority for the all-gather streams so the next unit's params arrive first.
@@ -127,24 +125,6 @@ class CommContext:
 
     def hold_reduce_scatter_input(self, buffer: torch.Tensor, event: Any) -> None:
         self.reduce_scatter_state = (buffer, event)
-
-    def queue_reduce(self, group: Any, max_in_flight: int | None = None) -> None:
-        """Track a group's reduce in flight; finish the oldest beyond ``max_in_flight`` so reduce
-        buffers stay bounded instead of piling up until the end of backward. Default: 2 on
-        accelerators; 0 on CPU (finish right away), where a reduce in flight pins its input and output
-        (1.5x the unit) through the next unit's backward while its gloo thread competes with that
-        compute for the same cores: measured no faster on 2 ranks x 1 core, ~20 MB higher peak RSS on
-        the 50M-parameter benchmark (benchmarks/memory.py)."""
-        if max_in_flight is None:
-            max_in_flight = 2 if self.accelerated else 0
-        if group not in self.reduce_queue:
-            self.reduce_queue.append(group)
-        while len(self.reduce_queue) > max_in_flight:
-            self.reduce_queue.popleft().finish_reduces()
-
-    def drain_reduces(self) -> None:
-        while self.reduce_queue:
-            self.reduce_queue.popleft().finish_reduces()
 
     def issue(self, stream_name: str, fn: Callable[[bool], dist.Work | None]) -> Pending:
         """Issue ``fn(async_op)`` on the named stream; return what to wait on before using its output.
