@@ -37,9 +37,9 @@ class GroupState(enum.Enum):
 
 @dataclass
 class _PendingReduce:
-    output: torch.Tensor  # this rank's reduced flat shard (reduce dtype)
-    pending: Pending
-    needs_all_reduce: bool
+    output: torch.Tensor | None  # this rank's reduced flat shard (reduce dtype); None: HSDP kept it to sum
+    reduce_scatter: Pending
+    all_reduce: Pending | None  # HSDP: issued right after the reduce-scatter, waited with it
     cpu_input: torch.Tensor | None  # CPU: kept alive until the async work is waited
 
 
@@ -270,12 +270,16 @@ class ParamGroup:
                 out = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=self.device)
             pending = ctx.issue("reduce_scatter", lambda a: collectives.reduce_scatter(
                 out, inp, self.mesh_info.shard_group, collectives.AVG, a))
-        hsdp = self.mesh_info.replicate_group is not None
         if ctx.accelerated:  # keep the input until its collective is done (see streams.py)
             ctx.hold_reduce_scatter_input(inp, pending.event)
-        self._pending_reduces.append(_PendingReduce(out, pending, hsdp, None if ctx.accelerated else inp))
         self._emit(trace.EventKind.REDUCE_SCATTER, trace.Phase.BACKWARD,
                    nbytes=_nbytes(inp), group_size=self.mesh_info.shard_world, timing=pending.timing)
+        output: torch.Tensor | None = out
+        all_reduce = None
+        if self.mesh_info.replicate_group is not None:
+            output, all_reduce = self._all_reduce_replicas(out, pending)
+        cpu_input = None if ctx.accelerated else inp
+        self._pending_reduces.append(_PendingReduce(output, pending, all_reduce, cpu_input))
         return True
 
     def finish_reduces(self) -> None:
@@ -284,34 +288,35 @@ class ParamGroup:
             return
         params, flat = self._grad_layout()
         for item in self._pending_reduces:
-            item.pending.wait(self._comm)
-            output: torch.Tensor | None = item.output
-            if item.needs_all_reduce:
-                output = self._all_reduce_replicas(item.output)
-            if output is not None:
-                self._assign_grads(output, params, flat)
+            item.reduce_scatter.wait(self._comm)
+            if item.all_reduce is not None:
+                item.all_reduce.wait(self._comm)
+            if item.output is not None:
+                self._assign_grads(item.output, params, flat)
         self._pending_reduces.clear()
         self._emit(trace.EventKind.REDUCE_DONE, trace.Phase.BACKWARD)
 
-    def _all_reduce_replicas(self, output: torch.Tensor) -> torch.Tensor | None:
-        """HSDP: average the reduce-scattered shard across replicas (or keep accumulating)."""
-        if self._partial_reduce_output is not None:
-            output = output + self._partial_reduce_output
-            self._partial_reduce_output = None
+    def _all_reduce_replicas(self, output: torch.Tensor,
+                             reduce_scatter: Pending) -> tuple[torch.Tensor | None, Pending | None]:
+        """HSDP: issue the average of the reduce-scattered shard across replicas as soon as the
+        reduce-scatter is done, on its own stream, so it overlaps the next unit's backward (or keep
+        accumulating under ``set_requires_all_reduce(False)``). Returns the output and its all-reduce."""
+        ctx = self._comm
+        ctx.wait_for("all_reduce", reduce_scatter)
+        with ctx.on(ctx.stream("all_reduce")):
+            if self._partial_reduce_output is not None:
+                output = output + self._partial_reduce_output
+                self._partial_reduce_output = None
         if not self.requires_all_reduce:
             self._partial_reduce_output = output
-            return None
+            return None, None
         group = self.mesh_info.replicate_group
         assert group is not None
-        ctx = self._comm
-        ar_stream = ctx.stream("all_reduce")
-        ctx.wait_stream(ar_stream, ctx.current_stream())
         pending = ctx.issue("all_reduce", lambda a: collectives.all_reduce(output, group, collectives.AVG,
                                                                            async_op=a))
         self._emit(trace.EventKind.ALL_REDUCE, trace.Phase.BACKWARD,
                    nbytes=_nbytes(output), group_size=self.mesh_info.replicate_world, timing=pending.timing)
-        pending.wait(ctx)
-        return output
+        return output, pending
 
     def _assign_grads(self, output: torch.Tensor, params: list[ShardedParam], flat: FlatLayout) -> None:
         rank = self.mesh_info.shard_rank

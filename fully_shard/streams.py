@@ -97,6 +97,14 @@ class CommContext:
         """A timing-enabled event recorded on ``stream`` (tracing only; accelerators only)."""
         return stream.record_event(self._mod.Event(enable_timing=True))
 
+    def wait_for(self, stream_name: str, pending: Pending) -> None:
+        """Order what is issued next on the named stream after ``pending``'s collective: an event wait
+        on accelerators (the host goes on); on CPU, where nothing else orders work, the host waits."""
+        if not self.accelerated:
+            pending.wait(self)
+        elif pending.event is not None:
+            self.stream(stream_name).wait_event(pending.event)
+
     def stream(self, name: str) -> Any:
         """``all_gather_copy_in`` | ``all_gather`` | ``reduce_scatter`` | ``all_reduce`` (None on CPU)."""
         return getattr(self, f"{name}_stream") if self.accelerated else None
