@@ -194,7 +194,8 @@ def _run_worker(spec: dict[str, Any]) -> int:
     """One rank of the sweep (the elastic launcher's entrypoint): runs every pending configuration."""
     import torch.distributed as dist
 
-    from .profile import current_memory, profile
+    from .tools.memory import current_memory
+    from .tools.profile import profile
 
     for p in spec.get("sys_path", []):
         if p not in sys.path:
