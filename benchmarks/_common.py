@@ -1,12 +1,12 @@
-"""Shared benchmark plumbing: self-launch under torchrun, the GPT model, timing and memory helpers."""
+"""Shared benchmark plumbing: self-launch under torchrun, the GPT model and its variants, timing, tables."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -15,8 +15,16 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP  # noqa: E402
+from torch.distributed.fsdp import fully_shard as torch_fully_shard  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from examples.train_gpt import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402, F401
+from fully_shard import MixedPrecisionPolicy, fully_shard  # noqa: E402
+from fully_shard.tools.timing import synchronize, timed_step  # noqa: E402, F401
+
+VARIANTS = ("ours", "torch", "ddp")  # this library, torch's fully_shard, DistributedDataParallel
 
 
 def launch_if_needed(script: str, nproc: int, env: dict[str, str] | None = None) -> None:
@@ -43,25 +51,58 @@ def init(backend: str | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def add_model_args(ap: argparse.ArgumentParser, *, dim: int, blocks: int, heads: int, seq: int, vocab: int) -> None:
+    """``--dim --blocks --heads --seq --vocab`` with these defaults (``model_config`` reads them back)."""
+    for name, default in (("dim", dim), ("blocks", blocks), ("heads", heads), ("seq", seq), ("vocab", vocab)):
+        ap.add_argument(f"--{name}", type=int, default=default)
 
 
-def timed_max(fn: Callable[[], object], device: torch.device) -> float:
-    """Run ``fn`` with all ranks starting together; the step time is the slowest rank's."""
-    sync(device)
-    dist.barrier()
-    t = time.perf_counter()
-    fn()
-    sync(device)
-    elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed.item())
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(vocab=args.vocab, dim=args.dim, blocks=args.blocks, heads=args.heads, seq=args.seq)
+
+
+def wrap_variant(model: nn.Module, name: str, *, bf16: bool = False, device: torch.device | None = None) -> nn.Module:
+    """``model`` (a GPT, in place) under one variant: ``ours``/``torch`` shard every block, then the model
+    (bf16 params and fp32 reductions with ``bf16``); ``ddp`` wraps it whole (on ``device``'s GPU)."""
+    if name == "ours":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+            else MixedPrecisionPolicy()
+        for blk in model.blocks:  # type: ignore[union-attr]  # the GPT's ModuleList
+            fully_shard(blk, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        return model
+    if name == "torch":
+        tmp = TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else TorchMP()
+        for blk in model.blocks:  # type: ignore[union-attr]
+            torch_fully_shard(blk, mp_policy=tmp)
+        torch_fully_shard(model, mp_policy=tmp)
+        return model
+    if name == "ddp":
+        return DDP(model, device_ids=[device.index] if device is not None and device.type == "cuda" else None)
+    raise SystemExit(f"unknown variant {name!r}: expected one of {', '.join(VARIANTS)}")
+
+
+def train_step(name: str, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
+               bf16: bool, device: torch.device) -> torch.Tensor:
+    """Forward, backward, optimizer step; DDP in bf16 runs under autocast. Returns the (detached) loss."""
+    if name == "ddp" and bf16:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = loss_fn(model(x), y)
+    else:
+        loss = loss_fn(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
 
 
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
+
+
+def header(columns: str, note: str = "") -> str:
+    """A table's column line (plus ``note``) over a rule as long as the columns."""
+    return f"{columns}{note}\n{'-' * len(columns)}"
 
 
 def rank0_print(*args: object) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import GPT, GPTConfig, init, launch_if_needed, loss_fn, machine, median, rank0_print, timed_max
+from _common import GPT, GPTConfig, init, launch_if_needed, loss_fn, machine, median, rank0_print, timed_step
 
 from fully_shard import fully_shard
 from fully_shard.checkpoint import files as ckpt_files
@@ -81,11 +81,11 @@ def raw_disk(directory: Path, nbytes: int) -> tuple[float, float]:
             while f.readinto(buf):
                 pass
 
-    w = timed_max(write, torch.device("cpu"))
+    w = timed_step(write, torch.device("cpu"))
     fd = os.open(path, os.O_RDONLY)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
-    r = timed_max(read, torch.device("cpu"))
+    r = timed_step(read, torch.device("cpu"))
     path.unlink()
     return w, r
 
@@ -149,25 +149,25 @@ def main() -> None:
             path = root / f"{name}-{rnd}"
             if name == "ours":
                 hashing[0] = 0.0
-                results["ours_save"].append(timed_max(partial(checkpoint.save, path, model, opt), device))
+                results["ours_save"].append(timed_step(partial(checkpoint.save, path, model, opt), device))
                 h = torch.tensor([hashing[0]], dtype=torch.float64)
                 dist.all_reduce(h, op=dist.ReduceOp.MAX)
                 results["hash"].append(float(h.item()))
                 if rank == 0:
                     evict(path)
-                results["ours_load"].append(timed_max(partial(checkpoint.load, path, model, opt), device))
+                results["ours_load"].append(timed_step(partial(checkpoint.load, path, model, opt), device))
                 if rank == 0:
                     evict(path)
                 results["ours_load_noverify"].append(
-                    timed_max(partial(checkpoint.load, path, model, opt, verify=False), device))
+                    timed_step(partial(checkpoint.load, path, model, opt, verify=False), device))
             else:
                 writer = dcp.FileSystemWriter(str(path))
-                results["dcp_save"].append(timed_max(partial(dcp.save, dcp_state(), storage_writer=writer), device))
+                results["dcp_save"].append(timed_step(partial(dcp.save, dcp_state(), storage_writer=writer), device))
                 if rank == 0:
                     evict(path)
                 state = dcp_state()
                 reader = dcp.FileSystemReader(str(path))
-                results["dcp_load"].append(timed_max(partial(dcp.load, state, storage_reader=reader), device))
+                results["dcp_load"].append(timed_step(partial(dcp.load, state, storage_reader=reader), device))
             dist.barrier()
             sizes[name] = dir_bytes(path)
             dist.barrier()

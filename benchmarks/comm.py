@@ -24,15 +24,29 @@ import copy
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import GPT, GPTConfig, init, launch_if_needed, loss_fn, machine, rank0_print, synthetic_batch
+from _common import (
+    GPT,
+    GPTConfig,
+    header,
+    init,
+    launch_if_needed,
+    loss_fn,
+    machine,
+    rank0_print,
+    synthetic_batch,
+    timed_step,
+)
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from fully_shard import fully_shard, profile
 
 MIB = 2**20
+CPU = torch.device("cpu")
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,9 +71,6 @@ def train(model: torch.nn.Module, cfg: GPTConfig, steps: int, batch: int, prof: 
 
 
 def fsdp_bytes(base: GPT, cfg: GPTConfig, raf: bool, args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
-    from fully_shard import fully_shard
-    from fully_shard.profile import profile
-
     model = copy.deepcopy(base)
     for blk in model.blocks:
         fully_shard(blk, reshard_after_forward=raf)
@@ -94,15 +105,7 @@ def ddp_bytes(base: GPT, cfg: GPTConfig, args: argparse.Namespace) -> dict[str, 
 def timed(fn: Any, iters: int) -> float:
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        t = time.perf_counter()
-        fn()
-        elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed))
-    return statistics.median(times)
+    return statistics.median(timed_step(fn, CPU) for _ in range(iters))
 
 
 def bandwidth(model: Any, prof: Any, reference: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -161,8 +164,6 @@ def main() -> None:
     measured["FULL_SHARD"], (model, prof) = fsdp_bytes(base, cfg, True, args)
     measured["SHARD_GRAD_OP"], _ = fsdp_bytes(base, cfg, False, args)
     measured["DDP"] = ddp_bytes(base, cfg, args)
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
     reference = copy.deepcopy(base)
     for blk in reference.blocks:
         torch_fully_shard(blk)
@@ -176,8 +177,7 @@ def main() -> None:
     rank0_print(f"machine: {machine()}")
     head = f"{'strategy':<14}{'all-gather':>12}{'reduce-scat':>12}{'all-reduce':>12}{'total':>10}{'x P':>7}" \
            f"{'minimum':>10}{'vs min':>8}{'wire/rank':>11}"
-    rank0_print(head + "   (MiB)")
-    rank0_print("-" * len(head))
+    rank0_print(header(head, "   (MiB)"))
     rows = {}
     for name, m in measured.items():
         total = m["all_gather"] + m["reduce_scatter"] + m["all_reduce"]
@@ -190,8 +190,7 @@ def main() -> None:
     rank0_print("\nall-gather bandwidth (MiB/s, algorithm bandwidth = gathered bytes / time)")
     head = f"{'unit':<10}{'MiB':>7}{'raw AG':>10}{'ours unshard':>14}{'/raw':>7}{'torch unshard':>15}{'/raw':>7}" \
            f"{'in-step AG':>12}{'raw RS':>10}{'in-step RS':>12}"
-    rank0_print(head)
-    rank0_print("-" * len(head))
+    rank0_print(header(head))
     for r in bw:
         rank0_print(f"{r['unit']:<10}{r['bytes'] / MIB:>7.2f}{r['raw_ag_bw'] / MIB:>10.0f}{r['ours_unshard_bw'] / MIB:>14.0f}"
                     f"{r['ours_unshard_bw'] / r['raw_ag_bw']:>7.2f}{r['torch_unshard_bw'] / MIB:>15.0f}"

@@ -26,12 +26,18 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import GPT, GPTConfig, loss_fn, synthetic_batch
+from _common import GPT, add_model_args, model_config, synthetic_batch, timed_step, train_step, wrap_variant
+from torch.profiler import ProfilerActivity
+from torch.profiler import profile as torch_profile
+
+from fully_shard import profile
+from fully_shard.state import get_state
 
 
 class CheckFailed(AssertionError):
@@ -46,11 +52,7 @@ def check(cond: bool, message: str) -> None:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # big enough that the GPU, not Python, is the bottleneck (so overlap is observable): ~0.5B params
-    ap.add_argument("--dim", type=int, default=2048)
-    ap.add_argument("--blocks", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=32768)
+    add_model_args(ap, dim=2048, blocks=8, heads=16, seq=2048, vocab=32768)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -59,38 +61,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def build(base: GPT, name: str, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from fully_shard import MixedPrecisionPolicy, fully_shard
-
-    model = copy.deepcopy(base)
-    if name == "ours":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for blk in model.blocks:
-            fully_shard(blk, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
-    elif name == "torch":
-        tmp = TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for blk in model.blocks:
-            torch_fully_shard(blk, mp_policy=tmp)
-        torch_fully_shard(model, mp_policy=tmp)
-    else:
-        model = DDP(model, device_ids=[device.index])
+    model = wrap_variant(copy.deepcopy(base), name, bf16=True, device=device)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-
-def train_step(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-               y: torch.Tensor) -> None:
-    if name == "ddp":
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_fn(model(x), y)
-    else:
-        loss = loss_fn(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
 
 
 def step_benchmark(variants: dict[str, Any], x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace,
@@ -100,22 +72,13 @@ def step_benchmark(variants: dict[str, Any], x: torch.Tensor, y: torch.Tensor, a
     for i in range(args.warmup + args.steps):
         for name in names[i % len(names):] + names[:i % len(names)]:
             model, opt = variants[name]
-            torch.cuda.synchronize(device)
-            dist.barrier()
-            t = time.perf_counter()
-            train_step(name, model, opt, x, y)
-            torch.cuda.synchronize(device)
-            elapsed = torch.tensor([time.perf_counter() - t], device=device, dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            elapsed = timed_step(partial(train_step, name, model, opt, x, y, bf16=True, device=device), device)
             if i >= args.warmup:
-                times[name].append(float(elapsed))
+                times[name].append(elapsed)
     return {n: statistics.median(ts) for n, ts in times.items()}
 
 
 def check_profiler(model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
-    from fully_shard.profile import profile
-    from fully_shard.state import get_state
-
     gathered = {}
     for m in model.modules():
         state = get_state(m)
@@ -124,7 +87,7 @@ def check_profiler(model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor) -> An
     steps = 4
     with profile(model) as prof:
         for _ in range(steps):
-            train_step("ours", model, opt, x, y)
+            train_step("ours", model, opt, x, y, bf16=True, device=x.device)
             prof.step()
     check(len(prof.steps) == steps, f"profiler recorded {len(prof.steps)} steps, expected {steps}")
     for st in prof.steps:
@@ -152,12 +115,9 @@ def check_profiler(model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor) -> An
 
 def check_streams(model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor, world: int) -> dict[str, float]:
     """torch.profiler trace of 2 steps: where the all-gather path's kernels run and whether they overlap."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
         for _ in range(2):
-            train_step("ours", model, opt, x, y)
+            train_step("ours", model, opt, x, y, bf16=True, device=x.device)
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"trace.{dist.get_rank()}.json"
@@ -214,7 +174,7 @@ def main() -> None:
     device = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = GPTConfig(vocab=args.vocab, dim=args.dim, blocks=args.blocks, heads=args.heads, seq=args.seq)
+    cfg = model_config(args)
     torch.manual_seed(0)
     with torch.device(device):
         base = GPT(cfg)

@@ -22,7 +22,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _common import GPT, ROOT, GPTConfig, loss_fn, machine, synthetic_batch
+import torch
+import torch.distributed as dist
+from _common import GPT, ROOT, GPTConfig, header, loss_fn, machine, synthetic_batch, wrap_variant
+
+from fully_shard.tools.memory import current_memory, peak_memory, reset_peak_memory
 
 CONFIG = GPTConfig(vocab=8192, dim=512, blocks=14, heads=8, seq=128)
 
@@ -39,14 +43,6 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def rss_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1])
-    raise RuntimeError(f"{key} not in /proc/self/status")
-
-
 def local_bytes(t: Any) -> int:
     if t is None:
         return 0
@@ -56,34 +52,14 @@ def local_bytes(t: Any) -> int:
 
 def run_rank(args: argparse.Namespace) -> None:
     """One rank of one variant: build, shard, train, measure; rank 0 writes the JSON to ``--out``."""
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    idle_kb = rss_kb("VmRSS:")
+    idle = current_memory()
     torch.manual_seed(0)
     model = GPT(CONFIG)
     n_params = sum(p.numel() for p in model.parameters())
-    if args.variant == "ours":
-        from fully_shard import fully_shard
-
-        for blk in model.blocks:
-            fully_shard(blk)
-        fully_shard(model)
-    elif args.variant == "torch":
-        from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-        for blk in model.blocks:
-            torch_fully_shard(blk)
-        torch_fully_shard(model)
-    elif args.variant == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        model = DDP(model)
-    else:
-        raise SystemExit(f"unknown variant {args.variant!r}: expected ours, torch or ddp")
+    model = wrap_variant(model, args.variant)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x, y = synthetic_batch(CONFIG, args.batch, 0, rank)
 
@@ -102,14 +78,14 @@ def run_rank(args: argparse.Namespace) -> None:
         return state
 
     step(False)  # warm-up: optimizer state exists from here on
-    with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM: the peak of the measured steps only
-        f.write("5")
+    if not reset_peak_memory():  # the peak of the measured steps only
+        raise SystemExit("memory.py: cannot reset the peak RSS (writing /proc/self/clear_refs failed); expected a "
+                         "Linux kernel that allows it. Fix: run on Linux outside a restricted container.")
     state: dict[str, int] = {}
     for _ in range(args.steps):
         state = step(True)
-    peak_kb = rss_kb("VmHWM:")
-    result = {"rank": rank, "state": state, "peak_rss": peak_kb * 1024, "idle_rss": idle_kb * 1024,
-              "steady_rss": rss_kb("VmRSS:") * 1024, "params": n_params}
+    result = {"rank": rank, "state": state, "peak_rss": peak_memory(), "idle_rss": idle,
+              "steady_rss": current_memory(), "params": n_params}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, result)
     if rank == 0 and args.out is not None:
@@ -147,8 +123,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"machine: {machine()}")
     head = f"{'variant':<8}{'params':>9}{'grads':>9}{'AdamW':>9}{'state':>9}{'vs DDP':>8}{'peak RSS':>10}" \
            f"{'above idle':>12}{'vs torch':>10}"
-    print(head + "   (MiB per rank)")
-    print("-" * len(head))
+    print(header(head, "   (MiB per rank)"))
     rows: dict[str, dict[str, float]] = {}
     for variant, data in results.items():
         ranks = data["ranks"]

@@ -25,16 +25,20 @@ import torch.distributed as dist
 import torch.nn as nn
 from _common import (
     GPT,
-    GPTConfig,
+    add_model_args,
     init,
     launch_if_needed,
-    loss_fn,
     machine,
     median,
+    model_config,
     rank0_print,
     synthetic_batch,
-    timed_max,
+    timed_step,
+    train_step,
+    wrap_variant,
 )
+
+from fully_shard import profile
 
 
 def parse_args() -> argparse.Namespace:
@@ -43,11 +47,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=15, help="measured steps per variant")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--blocks", type=int, default=6)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=2048)
+    add_model_args(ap, dim=256, blocks=6, heads=8, seq=128, vocab=2048)
     ap.add_argument("--bf16", action="store_true", help="bf16 params for the FSDP variants, autocast for DDP")
     ap.add_argument("--variants", default="ours,ours+profiler,torch,ddp")
     ap.add_argument("--json", type=Path, default=None)
@@ -55,30 +55,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def build_variants(base: GPT, names: list[str], bf16: bool, device: torch.device) -> dict[str, tuple[nn.Module, Any]]:
-    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from fully_shard import MixedPrecisionPolicy, fully_shard
-
     out: dict[str, tuple[nn.Module, Any]] = {}
     for name in names:
-        model = copy.deepcopy(base).to(device)
-        if name.startswith("ours"):
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
-                else MixedPrecisionPolicy()
-            for blk in model.blocks:
-                fully_shard(blk, mp_policy=mp)
-            fully_shard(model, mp_policy=mp)
-        elif name == "torch":
-            tmp = TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else TorchMP()
-            for blk in model.blocks:
-                torch_fully_shard(blk, mp_policy=tmp)
-            torch_fully_shard(model, mp_policy=tmp)
-        elif name == "ddp":
-            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        else:
+        if name not in ("ours", "ours+profiler", "torch", "ddp"):
             raise SystemExit(f"unknown variant {name!r}: expected ours, ours+profiler, torch or ddp")
+        model = wrap_variant(copy.deepcopy(base).to(device), "ours" if name.startswith("ours") else name, bf16=bf16,
+                             device=device)
         out[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     return out
 
@@ -86,22 +68,12 @@ def build_variants(base: GPT, names: list[str], bf16: bool, device: torch.device
 def make_step(name: str, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
               bf16: bool, device: torch.device, losses: list[float]) -> Callable[[], None]:
     def step() -> None:
-        if name == "ddp" and bf16:
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = loss_fn(model(x), y)
-        else:
-            loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
+        losses.append(float(train_step(name, model, opt, x, y, bf16=bf16, device=device)))
 
     if name != "ours+profiler":
         return step
 
     def profiled() -> None:
-        from fully_shard.profile import profile
-
         with profile(model):
             step()
 
@@ -113,7 +85,7 @@ def main() -> None:
     launch_if_needed(__file__, args.nproc)
     device = init()
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = GPTConfig(vocab=args.vocab, dim=args.dim, blocks=args.blocks, heads=args.heads, seq=args.seq)
+    cfg = model_config(args)
     torch.manual_seed(0)
     base = GPT(cfg)
     n_params = sum(p.numel() for p in base.parameters())
@@ -127,7 +99,7 @@ def main() -> None:
         order = names[i % len(names):] + names[:i % len(names)]
         for name in order:
             model, opt = variants[name]
-            t = timed_max(make_step(name, model, opt, x, y, args.bf16, device, losses[name]), device)
+            t = timed_step(make_step(name, model, opt, x, y, args.bf16, device, losses[name]), device)
             if i >= args.warmup:
                 times[name].append(t)
     med = {n: median(ts) for n, ts in times.items()}

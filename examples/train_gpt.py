@@ -43,8 +43,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fully_shard import MixedPrecisionPolicy
-from fully_shard.profile import Profiler, profile
+from fully_shard import MixedPrecisionPolicy, Profiler, profile
 from fully_shard.wrap import GranularityPolicy, WrapPlan, auto_wrap
 
 

@@ -8,7 +8,7 @@ from .clip import clip_grad_norm_, total_grad_norm
 from .init import default_init, materialize_meta_module
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
-from .profile import Profiler, profile
+from .tools.profile import Profiler, profile
 from .trace import EventKind, Phase
 from .wrap import (
     GranularityPolicy,

@@ -11,8 +11,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from fully_shard import MixedPrecisionPolicy, fully_shard, trace
-from fully_shard.profile import Profiler, current_memory, peak_memory, profile, reset_peak_memory
 from fully_shard.state import get_state
+from fully_shard.tools.memory import current_memory, peak_memory, reset_peak_memory
+from fully_shard.tools.profile import Profiler, profile
 from tests.core.common import local_slice
 from tests.distributed.counting import CountCollectives
 from tests.distributed.harness import distributed

@@ -8,7 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fully_shard.tune import TuneConfig, TuneResult, format_table, granularities, recommend, sweep_configs
+from fully_shard.tools.tune import (
+    TuneConfig,
+    TuneResult,
+    format_table,
+    granularities,
+    recommend,
+    sweep_configs,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 

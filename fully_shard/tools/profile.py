@@ -27,13 +27,12 @@ library pays one list truthiness check per event (~60 ns; a few dozen per step).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import resource
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,165 +40,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import trace
-from .state import get_state
+from .. import trace
+from ..state import FSDPState, get_state
+from . import export
+from .memory import current_memory, peak_memory, reset_peak_memory
+from .records import Collective, CommStats, StepStats, UnitStats
+from .timing import synchronize
 
 _COLLECTIVES = (trace.EventKind.ALL_GATHER, trace.EventKind.REDUCE_SCATTER, trace.EventKind.ALL_REDUCE)
+_UNIT_COMMS = ("all_gather_forward", "all_gather_backward", "all_gather_explicit", "reduce_scatter", "all_reduce")
 
 
-# --- memory ------------------------------------------------------------------------------------------
-def _read_status_kb(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def current_memory(device: torch.device | None = None) -> int:
-    """Bytes in use now: CUDA allocator's allocated bytes on GPU, resident set size on CPU."""
-    if device is not None and device.type == "cuda":
-        return int(torch.cuda.memory_allocated(device))
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
-
-
-def reset_peak_memory(device: torch.device | None = None) -> bool:
-    """Start a new peak window. On CPU this resets the kernel's VmHWM (``/proc/self/clear_refs``);
-    returns False where that is not possible (the peak is then the process's lifetime peak)."""
-    if device is not None and device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return True
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_memory(device: torch.device | None = None) -> int:
-    """Peak bytes since ``reset_peak_memory``: CUDA allocator peak on GPU, peak RSS on CPU."""
-    if device is not None and device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    hwm = _read_status_kb("VmHWM:")
-    if hwm is not None:
-        return hwm * 1024
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-# --- records -----------------------------------------------------------------------------------------
-@dataclass
-class Collective:
-    """One collective of one step, times in seconds on the host's ``perf_counter`` clock."""
-
-    kind: str  # all_gather | reduce_scatter | all_reduce
-    unit: str  # the unit's module FQN ("" for the root)
-    phase: str  # forward | backward | explicit
-    nbytes: int
-    group_size: int
-    prefetch: bool
-    t_issue: float
-    t_done: float
-    exposed_s: float
-    t_wait: float  # when the consumer began waiting (0: not waited inside the step)
-
-    @property
-    def time_s(self) -> float:
-        return max(0.0, self.t_done - self.t_issue)
-
-
-@dataclass
-class CommStats:
-    count: int = 0
-    bytes: int = 0
-    time_s: float = 0.0
-    exposed_s: float = 0.0
-
-    def add(self, c: Collective) -> None:
-        self.count += 1
-        self.bytes += c.nbytes
-        self.time_s += c.time_s
-        self.exposed_s += c.exposed_s
-
-    @property
-    def overlapped_s(self) -> float:
-        return max(0.0, self.time_s - self.exposed_s)
-
-    def merged(self, other: CommStats) -> CommStats:
-        return CommStats(self.count + other.count, self.bytes + other.bytes, self.time_s + other.time_s,
-                         self.exposed_s + other.exposed_s)
-
-
-@dataclass
-class UnitStats:
-    """One unit in one step."""
-
-    unit: str
-    gathered_bytes: int = 0
-    all_gather_forward: CommStats = field(default_factory=CommStats)
-    all_gather_backward: CommStats = field(default_factory=CommStats)
-    all_gather_explicit: CommStats = field(default_factory=CommStats)
-    reduce_scatter: CommStats = field(default_factory=CommStats)
-    all_reduce: CommStats = field(default_factory=CommStats)
-    memory_at_unshard: int = 0  # max memory sampled when this unit's params became usable
-
-    @property
-    def comm(self) -> CommStats:
-        total = CommStats()
-        for s in (self.all_gather_forward, self.all_gather_backward, self.all_gather_explicit,
-                  self.reduce_scatter, self.all_reduce):
-            total = total.merged(s)
-        return total
-
-
-@dataclass
-class StepStats:
-    index: int
-    t_start: float
-    t_end: float
-    units: dict[str, UnitStats]
-    collectives: list[Collective]
-    peak_memory: int
-    memory_start: int
-    mem_kind: str
-    peak_is_lifetime: bool
-
-    @property
-    def step_s(self) -> float:
-        return self.t_end - self.t_start
-
-    @property
-    def exposed_s(self) -> float:
-        return sum(c.exposed_s for c in self.collectives)
-
-    @property
-    def busy_s(self) -> float:
-        """Time with at least one collective in flight (union of issue->done intervals)."""
-        spans = sorted((max(c.t_issue, self.t_start), min(c.t_done, self.t_end)) for c in self.collectives)
-        total, end = 0.0, float("-inf")
-        for s, e in spans:
-            if e <= s:
-                continue
-            if s > end:
-                total += e - s
-                end = e
-            elif e > end:
-                total += e - end
-                end = e
-        return total
-
-    def bytes_of(self, kind: str) -> int:
-        return sum(c.nbytes for c in self.collectives if c.kind == kind)
-
-
-# --- the profiler ------------------------------------------------------------------------------------
 class Profiler:
     """Collects per-unit, per-step communication and memory statistics; see the module docstring."""
 
@@ -208,12 +59,12 @@ class Profiler:
         self.steps: list[StepStats] = []
         self._events: list[trace.Event] = []
         self._mem_samples: dict[str, int] = {}
-        self._ctx: Any = None
+        self._ctx: contextlib.AbstractContextManager[None] | None = None
         self._t0 = 0.0
         self._step_start = 0.0
         self._mem_start = 0
         self._peak_is_lifetime = False
-        self._anchor: Any = None  # accelerator: timing event at the step start
+        self._anchor: torch.cuda.Event | None = None  # accelerator: timing event at the step start
         self.device = self._find_device()
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -223,7 +74,7 @@ class Profiler:
                              "first, then profile it.")
 
     # --- units -------------------------------------------------------------------------------
-    def _states(self) -> Iterator[Any]:
+    def _states(self) -> Iterator[FSDPState]:
         seen: set[int] = set()
         for module in self.model.modules():
             state = get_state(module)
@@ -259,6 +110,12 @@ class Profiler:
         """The model's parameter bytes at the all-gather dtype, without padding."""
         return sum(u["param_bytes"] for u in self.units())
 
+    def _reduce_dtypes(self) -> str:
+        """The reduce dtypes that differ from the all-gather dtype ("" when none do)."""
+        names = sorted({str(s.group.reduce_dtype).replace("torch.", "") for s in self._states()
+                        if s.group is not None and s.group.reduce_dtype != s.group.param_dtype})
+        return ", ".join(names)
+
     # --- recording ---------------------------------------------------------------------------
     def __enter__(self) -> Profiler:
         self._t0 = time.perf_counter()
@@ -272,7 +129,8 @@ class Profiler:
             if any(e.kind in _COLLECTIVES for e in self._events) or not self.steps:
                 self._end_step()
         finally:
-            self._ctx.__exit__(None, None, None)
+            if self._ctx is not None:
+                self._ctx.__exit__(None, None, None)
             self._ctx = None
 
     def _on_event(self, event: trace.Event) -> None:
@@ -283,12 +141,8 @@ class Profiler:
             if mem > self._mem_samples.get(event.fqn, 0):
                 self._mem_samples[event.fqn] = mem
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def _begin_step(self) -> None:
-        self._sync()
+        synchronize(self.device)
         self._events = []
         self._mem_samples = {}
         self._peak_is_lifetime = not reset_peak_memory(self.device)
@@ -305,20 +159,12 @@ class Profiler:
         return stats
 
     def _end_step(self) -> StepStats:
-        self._sync()
+        synchronize(self.device)
         t_end = time.perf_counter()
         collectives = [self._resolve(e, t_end) for e in self._events]
         units = {u["unit"]: UnitStats(u["unit"], gathered_bytes=u["gathered_bytes"]) for u in self.units()}
         for c in collectives:
-            unit = units.setdefault(c.unit, UnitStats(c.unit))
-            if c.kind == "all_gather":
-                target = {"forward": unit.all_gather_forward, "backward": unit.all_gather_backward}.get(
-                    c.phase, unit.all_gather_explicit)
-            elif c.kind == "reduce_scatter":
-                target = unit.reduce_scatter
-            else:
-                target = unit.all_reduce
-            target.add(c)
+            _stats_of(units.setdefault(c.unit, UnitStats(c.unit)), c).add(c)
         for fqn, mem in self._mem_samples.items():
             if fqn in units:
                 units[fqn].memory_at_unshard = mem
@@ -367,7 +213,6 @@ class Profiler:
         regather = sum(u["param_bytes"] for u in units if u["reshard_after_forward"] is not False)
         reduced = sum(u["grad_bytes"] for u in units)
         return (total + regather + reduced) / total
-
     def summary(self, skip_first: int = 0) -> dict[str, Any]:
         """Step summary over the recorded steps (median step time; means for the rest)."""
         steps = self._measured(skip_first)
@@ -412,8 +257,7 @@ class Profiler:
             row: dict[str, Any] = {"unit": name or "<root>",
                                    "gathered_bytes": max(u.gathered_bytes for u in per),
                                    "memory_at_unshard": max(u.memory_at_unshard for u in per)}
-            for key in ("all_gather_forward", "all_gather_backward", "all_gather_explicit", "reduce_scatter",
-                        "all_reduce"):
+            for key in _UNIT_COMMS:
                 total = CommStats()
                 for u in per:
                     total = total.merged(getattr(u, key))
@@ -424,70 +268,14 @@ class Profiler:
 
     def table(self, skip_first: int = 0) -> str:
         """A per-unit table (per-step means) and the step summary, ready to print."""
-        rows = self.unit_table(skip_first)
-        s = self.summary(skip_first)
-        head = (f"fully_shard profile: rank {s['rank']}/{s['world_size']} on {s['device']}, {s['steps']} "
-                f"step(s); per-step means; time = issue->done, exp = exposed (the caller waited)")
-        cols = ["unit", "gathered", "AG fwd n", "bytes", "ms", "exp", "AG bwd n", "bytes", "ms", "exp",
-                "RS+AR n", "bytes", "ms", "exp", f"{s['memory_kind']}@gather"]
-        body = []
-        for r in rows:
-            fwd, bwd, exp_ag = r["all_gather_forward"], r["all_gather_backward"], r["all_gather_explicit"]
-            red = {k: r["reduce_scatter"][k] + r["all_reduce"][k] for k in ("count", "bytes", "time_s",
-                                                                                 "exposed_s")}
-            fwd = {k: fwd[k] + exp_ag[k] for k in ("count", "bytes", "time_s", "exposed_s")}
-            cells = [r["unit"], _fmt_bytes(r["gathered_bytes"])]
-            for d in (fwd, bwd, red):
-                cells += [_fmt_count(d["count"]), _fmt_bytes(d["bytes"]), f"{d['time_s'] * 1e3:.2f}",
-                          f"{d['exposed_s'] * 1e3:.2f}"]
-            cells.append(_fmt_bytes(r["memory_at_unshard"]) if r["memory_at_unshard"] else "-")
-            body.append(cells)
-        widths = [max(len(c[i]) for c in [cols, *body]) for i in range(len(cols))]
-        lines = [head, "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cols, widths)))]
-        lines.append("-" * len(lines[-1]))
-        for cells in body:
-            lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                                   for i, (c, w) in enumerate(zip(cells, widths))))
-        lines.append("-" * len(lines[1]))
-        lines += self._summary_lines(s)
-        return "\n".join(lines)
-
-    def _summary_lines(self, s: dict[str, Any]) -> list[str]:
-        step_ms = s["step_s"] * 1e3
-        peak = _fmt_bytes(s["peak_memory"]) + (" (process lifetime)" if s["peak_is_lifetime"] else "")
-        return [
-            f"step {step_ms:.1f} ms (median) | exposed comm {s['exposed_comm_s'] * 1e3:.1f} ms "
-            f"({s['comm_share']:.0%} of the step) | a collective in flight {s['comm_busy_s'] * 1e3:.1f} ms "
-            f"({s['comm_busy_share']:.0%})",
-            f"bytes/step {_fmt_bytes(s['bytes_per_step'])} (all-gather {_fmt_bytes(s['all_gather_bytes'])} + "
-            f"reduce-scatter {_fmt_bytes(s['reduce_scatter_bytes'])}"
-            + (f"; all-reduce {_fmt_bytes(s['all_reduce_bytes'])}" if s["all_reduce_bytes"] else "")
-            + f") = {s['bytes_over_model']:.2f}x the model ({_fmt_bytes(s['model_bytes'])}); "
-            f"expected {s['expected_bytes_over_model']:.2f}x (2x, +1x for units resharded after forward)"
-            + (f"; the gradients are reduced in {_reduce_dtypes(self)}" if _reduce_dtypes(self) else ""),
-            f"peak memory ({s['memory_kind']}) {peak}",
-        ]
-
-    def summary_text(self, skip_first: int = 0) -> str:
-        """The step summary lines of ``table()`` alone."""
-        return "\n".join(self._summary_lines(self.summary(skip_first)))
+        return export.format_table(self.unit_table(skip_first), self.summary(skip_first), self._reduce_dtypes())
 
     def to_dict(self, skip_first: int = 0) -> dict[str, Any]:
         return {
             "summary": self.summary(skip_first),
             "units": self.units(),
             "unit_table": self.unit_table(skip_first),
-            "steps": [{
-                "index": st.index,
-                "step_s": st.step_s,
-                "exposed_comm_s": st.exposed_s,
-                "comm_busy_s": st.busy_s,
-                "peak_memory": st.peak_memory,
-                "units": {name or "<root>": _unit_dict(u) for name, u in st.units.items()},
-                "collectives": [{**asdict(c), "t_issue": c.t_issue - self._t0, "t_done": c.t_done - self._t0,
-                                 "t_wait": (c.t_wait - self._t0) if c.t_wait else None, "time_s": c.time_s}
-                                for c in st.collectives],
-            } for st in self.steps],
+            "steps": [export.step_dict(st, self._t0) for st in self.steps],
         }
 
     def to_json(self, path: str | os.PathLike[str] | None = None, skip_first: int = 0) -> str:
@@ -500,44 +288,7 @@ class Profiler:
     def export_chrome_trace(self, path: str | os.PathLike[str]) -> None:
         """Write a Chrome/Perfetto trace: steps and exposed waits on the host track, collectives on
         lanes labelled by kind, each slice named by unit (``all_gather blocks.3 fwd``)."""
-        pid = self.rank
-        events: list[dict[str, Any]] = [
-            {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"rank {self.rank}"}},
-            {"ph": "M", "pid": pid, "tid": 0, "name": "thread_name", "args": {"name": "host / compute"}},
-        ]
-
-        def us(t: float) -> float:
-            return round((t - self._t0) * 1e6, 3)
-
-        lanes: dict[str, list[float]] = {}
-        tids: dict[tuple[str, int], int] = {}
-        for st in self.steps:
-            events.append({"ph": "X", "pid": pid, "tid": 0, "name": f"step {st.index}", "ts": us(st.t_start),
-                           "dur": round(st.step_s * 1e6, 3), "args": {"peak_memory": st.peak_memory}})
-            for c in sorted(st.collectives, key=lambda c: c.t_issue):
-                unit = c.unit or "<root>"
-                short = {"forward": "fwd", "backward": "bwd"}.get(c.phase, c.phase)
-                ends = lanes.setdefault(c.kind, [])
-                lane = next((i for i, end in enumerate(ends) if end <= c.t_issue), len(ends))
-                if lane == len(ends):
-                    ends.append(c.t_done)
-                else:
-                    ends[lane] = c.t_done
-                key = (c.kind, lane)
-                if key not in tids:
-                    tids[key] = len(tids) + 1
-                    events.append({"ph": "M", "pid": pid, "tid": tids[key], "name": "thread_name",
-                                   "args": {"name": f"{c.kind} #{lane}"}})
-                args = {"unit": unit, "bytes": c.nbytes, "group_size": c.group_size, "prefetch": c.prefetch,
-                        "exposed_ms": c.exposed_s * 1e3}
-                events.append({"ph": "X", "pid": pid, "tid": tids[key], "name": f"{c.kind} {unit} {short}",
-                               "ts": us(c.t_issue), "dur": round(c.time_s * 1e6, 3), "args": args})
-                if c.exposed_s > 0 and c.t_wait:
-                    events.append({"ph": "X", "pid": pid, "tid": 0, "name": f"wait {c.kind} {unit}",
-                                   "ts": us(c.t_wait), "dur": round(c.exposed_s * 1e6, 3), "args": args})
-        # Chrome wants the slices of one track properly nested: sort by start, longest first.
-        events.sort(key=lambda e: (e["ph"] != "M", e.get("ts", 0.0), -e.get("dur", 0.0)))
-        Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+        Path(path).write_text(json.dumps(export.chrome_trace(self.steps, self.rank, self._t0)))
 
 
 def profile(model: nn.Module) -> Profiler:
@@ -545,27 +296,9 @@ def profile(model: nn.Module) -> Profiler:
     return Profiler(model)
 
 
-def _reduce_dtypes(prof: Profiler) -> str:
-    """The reduce dtypes that differ from the all-gather dtype ("" when none do)."""
-    names = sorted({str(s.group.reduce_dtype).replace("torch.", "") for s in prof._states()
-                    if s.group is not None and s.group.reduce_dtype != s.group.param_dtype})
-    return ", ".join(names)
-
-
-def _unit_dict(u: UnitStats) -> dict[str, Any]:
-    d = asdict(u)
-    d.pop("unit")
-    return d
-
-
-def _fmt_count(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{x:.1f}"
-
-
-def _fmt_bytes(n: float) -> str:
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+def _stats_of(unit: UnitStats, c: Collective) -> CommStats:
+    """The totals of ``unit`` that ``c`` adds to (its kind, and for all-gathers its phase)."""
+    if c.kind == "all_gather":
+        return {"forward": unit.all_gather_forward, "backward": unit.all_gather_backward}.get(
+            c.phase, unit.all_gather_explicit)
+    return unit.reduce_scatter if c.kind == "reduce_scatter" else unit.all_reduce
