@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import trace
-from ..state import FSDPState, get_state
+from ..state import FSDPState, states_under
 from . import export
 from .memory import current_memory, peak_memory, reset_peak_memory
 from .records import Collective, CommStats, StepStats, UnitStats
@@ -75,12 +75,7 @@ class Profiler:
 
     # --- units -------------------------------------------------------------------------------
     def _states(self) -> Iterator[FSDPState]:
-        seen: set[int] = set()
-        for module in self.model.modules():
-            state = get_state(module)
-            if state is not None and id(state) not in seen:
-                seen.add(id(state))
-                yield state
+        return (state for _, state in states_under(self.model))
 
     def _find_device(self) -> torch.device:
         for state in self._states():
