@@ -18,6 +18,7 @@ from torch.distributed.tensor import Placement, Shard
 from .group import ParamGroup
 from .mesh import MeshInfo, default_mesh, subgroup
 from .module import FSDPModule
+from .optimizer import track as track_for_optimizer
 from .param import ShardedParam
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_reshard_after_forward
 from .state import FSDPState, get_state
@@ -61,6 +62,7 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
     for p in params:
         p.register_sharded()
         _set_owner(p.sharded_param, f"{unit_name} (param {p.fqn!r})")
+    track_for_optimizer(params, [p for p, _ in slots])  # the optimizer step on local shards; see design/optimizer-step.md
     state = FSDPState(modules, group, mesh_info, device, mp_policy, reshard_after_forward)
     for m in modules:
         m.__dict__["_fsdp_state"] = state

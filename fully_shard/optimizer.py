@@ -1,0 +1,337 @@
+"""Run torch optimizers' elementwise step on the local shards of fully_shard's DTensor parameters.
+
+See design/optimizer-step.md. A global optimizer step pre-hook (installed by the first ``fully_shard``
+call) hands ``step`` a *local view* of the optimizer: a shallow stand-in whose param groups hold this
+rank's shards (``to_local()``, with ``.grad`` set to the local gradient) and whose state holds the
+local tensors of the DTensor states. For an elementwise optimizer on ``Shard``/``Replicate``
+placements this is exactly the math DTensor dispatch would run, without its per-op cost, so
+parameters and states stay bitwise the same. The real optimizer is never modified: its param groups
+and state keep the DTensors (``state_dict()``, DCP and ``fully_shard.checkpoint`` see what they see
+without this module), and an exception inside ``step`` leaves nothing to restore.
+
+The same hook refuses an optimizer that holds parameters ``fully_shard`` replaced (built before
+``fully_shard``): stepping them would silently train nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import operator
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim import SGD, Adam, AdamW, Optimizer
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+__all__ = ["StepPath", "get_step_path", "set_step_path"]
+
+# Tensor attributes: who owns a parameter ("<Class> (param 'name')", set by api.py on the original and
+# the sharded parameter), and the mark this module puts on the originals fully_shard replaced.
+_OWNER_ATTR = "_fully_shard_owner"
+_REPLACED_ATTR = "_fully_shard_replaced"
+_TOKEN_ATTR = "_fully_shard_view_token"  # an int: cheap to pickle and deepcopy, unlike the view itself
+# State entries kept as plain tensors by the DTensor path (a scalar step count), passed through as is.
+_SCALAR_KEYS = frozenset({"step"})
+
+
+class StepPath(enum.Enum):
+    """How ``optimizer.step()`` runs over fully_shard's parameters."""
+
+    LOCAL = "local"  # default: supported elementwise optimizers step the local shards directly
+    DTENSOR = "dtensor"  # every op dispatched through DTensor, as with torch's fully_shard
+
+
+class _Sharded(Protocol):
+    """What this module reads of a ShardedParam: the parameter the module trains now."""
+
+    @property
+    def sharded_param(self) -> torch.Tensor: ...
+
+
+_path = StepPath.LOCAL
+_tracked: weakref.WeakSet[Any] = weakref.WeakSet()  # live ShardedParams (not their tensors: see api.py)
+_plans: weakref.WeakKeyDictionary[Optimizer, _Plan] = weakref.WeakKeyDictionary()
+_epoch = 0  # counts fully_shard calls: a plan made before one must re-check for replaced parameters
+_tokens = itertools.count()
+_with_grad: list[torch.Tensor] = []  # cached local views whose .grad the running step uses
+_installed = False
+
+
+def set_step_path(path: StepPath) -> StepPath:
+    """Choose how later ``optimizer.step()`` calls run (process-wide); return the previous choice.
+
+    ``set_step_path(StepPath.DTENSOR)`` turns the local fast path off, e.g. to compare against it.
+    """
+    global _path
+    if not isinstance(path, StepPath):
+        raise TypeError(f"set_step_path expects a StepPath, got {path!r}. Fix: set_step_path(StepPath.DTENSOR) "
+                        "or set_step_path(StepPath.LOCAL).")
+    previous, _path = _path, path
+    return previous
+
+
+def get_step_path() -> StepPath:
+    return _path
+
+
+def track(params: Iterable[_Sharded], replaced: Iterable[torch.Tensor]) -> None:
+    """Register a fully_shard unit's ShardedParams and the original parameters they replaced; install
+    the global step hook once."""
+    global _installed, _epoch
+    _tracked.update(params)
+    _epoch += 1
+    for p in replaced:
+        setattr(p, _REPLACED_ATTR, getattr(p, _OWNER_ATTR, None) or "a fully_shard unit")
+    if not _installed:
+        register_optimizer_step_pre_hook(_pre_step)
+        register_optimizer_step_post_hook(_post_step)
+        _installed = True
+
+
+# --- which param groups may go local: the state each supported optimizer keeps -------------------
+def _sgd_state_keys(group: dict[str, Any]) -> frozenset[str] | None:
+    if group.get("differentiable"):
+        return None
+    return frozenset({"momentum_buffer"}) if group["momentum"] != 0 else frozenset()
+
+
+def _adam_state_keys(group: dict[str, Any]) -> frozenset[str] | None:
+    if group.get("differentiable") or group.get("capturable"):
+        return None
+    keys = {"step", "exp_avg", "exp_avg_sq"}
+    return frozenset(keys | {"max_exp_avg_sq"}) if group.get("amsgrad") else frozenset(keys)
+
+
+# Exact classes only: a subclass may override step() with math that is not elementwise. The value
+# gives, for a param group, the state keys the step expects to exist already (it then only updates
+# them in place), or None when the group's flags need the DTensor path.
+_STATE_KEYS: dict[type[Optimizer], Callable[[dict[str, Any]], frozenset[str] | None]] = {
+    SGD: _sgd_state_keys, Adam: _adam_state_keys, AdamW: _adam_state_keys,
+}
+
+
+# --- the hook -------------------------------------------------------------------------------------
+def _pre_step(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    _drop_local_grads()  # left by a step that raised
+    plan = _plans.get(optimizer)
+    if plan is None or plan.epoch != _epoch or plan.groups_seen != len(optimizer.param_groups):
+        # new optimizer, a fully_shard call since (params may have been replaced), or add_param_group()
+        _refuse_replaced(optimizer)
+        plan = _plans[optimizer] = _Plan(_epoch, len(optimizer.param_groups), _LocalState(optimizer.state))
+    state_keys = _STATE_KEYS.get(type(optimizer))
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if _path is StepPath.DTENSOR or state_keys is None or closure is not None:
+        return None  # a closure computes the gradients inside step(): after the view would be taken
+    with torch.no_grad():
+        view = _local_optimizer(optimizer, plan, state_keys)
+    if view is None:
+        _drop_local_grads()
+        return None
+    return (view, *args[1:]), kwargs
+
+
+def _post_step(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    _drop_local_grads()
+
+
+def _drop_local_grads() -> None:
+    """The cached views must not keep gradients alive after the step (``zero_grad`` would free them)."""
+    for local in _with_grad:
+        local.grad = None
+    _with_grad.clear()
+
+
+def _refuse_replaced(optimizer: Optimizer, params: list[torch.Tensor] | None = None) -> None:
+    if params is None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+    stale = [p for p in params if hasattr(p, _REPLACED_ATTR)]
+    if stale:
+        names = ", ".join(str(getattr(p, _REPLACED_ATTR)) for p in stale[:3])
+        more = f" and {len(stale) - 3} more" if len(stale) > 3 else ""
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step(): {len(stale)} of its parameters were replaced by fully_shard "
+            f"({names}{more}); the module now trains sharded DTensor parameters this optimizer does not "
+            "hold, so the step would change nothing. Fix: build the optimizer after fully_shard, e.g. "
+            "fully_shard(model); optimizer = torch.optim.AdamW(model.parameters()).")
+
+
+# --- the local stand-in, cached per optimizer and re-validated every step --------------------------
+@dataclass(eq=False, slots=True)
+class _Slot:
+    """One of our parameters in a local group: its cached shard view and the state entry it mirrors."""
+
+    param: torch.Tensor
+    token: int
+    local: torch.Tensor
+    placements: tuple[Any, ...]
+    entry: dict[str, Any] | None = None  # the real state entry whose local tensors local_state holds
+    values: tuple[Any, ...] = ()  # its values then, compared by identity each step
+
+
+@dataclass(eq=False)
+class _LocalGroup:
+    params: list[torch.Tensor]  # the real group's list, and a copy of its contents
+    contents: tuple[torch.Tensor, ...]
+    keys: frozenset[str]
+    local_params: list[torch.Tensor]  # handed to step(): ours replaced by their views
+    slots: list[_Slot]
+
+
+@dataclass(eq=False)
+class _Plan:
+    epoch: int
+    groups_seen: int
+    local_state: _LocalState
+    groups: dict[int, _LocalGroup] = field(default_factory=dict)  # by param group index
+
+
+def _local_optimizer(optimizer: Optimizer, plan: _Plan,
+                     state_keys: Callable[[dict[str, Any]], frozenset[str] | None]) -> Optimizer | None:
+    """A shallow stand-in for ``optimizer`` whose eligible groups hold local shards; None if none is."""
+    state = optimizer.state
+    local_state = plan.local_state
+    local_state.real = state  # load_state_dict() replaces it
+    groups, any_local = [], False
+    for i, group in enumerate(optimizer.param_groups):
+        keys = state_keys(group)
+        cached = plan.groups.get(i)
+        if keys is None or cached is None or not _refresh(cached, group["params"], keys, state, local_state):
+            _refuse_replaced(optimizer, group["params"])  # the group's list may have been edited
+            if cached is not None:
+                for slot in plan.groups.pop(i).slots:
+                    local_state.pop(slot.local, None)
+            cached = None if keys is None else _build(group["params"], keys, state, local_state)
+            if cached is not None:
+                plan.groups[i] = cached
+        if cached is None or not cached.slots:
+            groups.append(group)
+        else:
+            any_local = True
+            groups.append({**group, "params": cached.local_params})
+    if not any_local:
+        return None
+    view = object.__new__(type(optimizer))
+    view.__dict__.update(optimizer.__dict__)  # defaults, hooks, grad_scale/found_inf set by GradScaler
+    view.param_groups = groups
+    view.state = local_state  # type: ignore[assignment]
+    return view
+
+
+def _refresh(cached: _LocalGroup, params: list[torch.Tensor], keys: frozenset[str],
+             state: dict[Any, dict[str, Any]], local_state: _LocalState) -> bool:
+    """Hand this step's gradients to the cached views; False if anything the cache relies on changed."""
+    if (params is not cached.params or len(params) != len(cached.contents) or keys != cached.keys
+            or not all(map(operator.is_, params, cached.contents))):
+        return False
+    is_, with_grad = operator.is_, _with_grad
+    for slot in cached.slots:
+        p = slot.param
+        if getattr(p, _TOKEN_ATTR, None) != slot.token:
+            return False  # swap_tensors replaced its contents (and __dict__): the view is stale
+        grad = p.grad
+        if grad is None:
+            continue
+        if type(grad) is not DTensor:
+            return False
+        placements = grad.placements
+        if placements is not slot.placements and placements != slot.placements:
+            return False
+        if keys:
+            entry = state.get(p)
+            if entry is None or len(entry) != len(slot.values):
+                return False
+            if (entry is not slot.entry or not all(map(is_, entry.values(), slot.values))) and \
+                    not _mirror(slot, entry, keys, local_state):
+                return False
+        local = slot.local
+        try:
+            local.grad = grad.to_local()  # checks shape, dtype and device against the shard
+        except RuntimeError:
+            return False
+        with_grad.append(local)
+    return True
+
+
+def _build(params: list[torch.Tensor], keys: frozenset[str], state: dict[Any, dict[str, Any]],
+           local_state: _LocalState) -> _LocalGroup | None:
+    """Cache a group: with views for our DTensors, or with no slots when it has none of ours or another
+    library's DTensor (torch's fully_shard, tensor parallel: the whole group stays on DTensor). None,
+    to try again next step, when a state is missing (the step would create it: let DTensor do that, on
+    the first step) or a gradient or state is laid out unlike its parameter."""
+    owned = {id(sp.sharded_param): sp for sp in _tracked}
+    local_params: list[torch.Tensor] = []
+    slots = []
+    for p in params:
+        sp = owned.get(id(p))
+        if sp is None:
+            if isinstance(p, DTensor):
+                return _LocalGroup(params, tuple(params), keys, [], [])
+            local_params.append(p)  # a plain parameter: its state is shared as is
+            continue
+        slot = _Slot(p, 0, p, p.placements)  # type: ignore[attr-defined]
+        slot.local, slot.token = _view(p)
+        grad = p.grad
+        if grad is not None:
+            if type(grad) is not DTensor or not _same(grad.placements, slot.placements):
+                return None
+            entry = state.get(p)
+            if keys and (entry is None or not _mirror(slot, entry, keys, local_state)):
+                return None
+            try:
+                slot.local.grad = grad.to_local()
+            except RuntimeError:
+                return None
+            _with_grad.append(slot.local)
+        local_params.append(slot.local)
+        slots.append(slot)
+    return _LocalGroup(params, tuple(params), keys, local_params, slots)
+
+
+def _view(p: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A view of ``p``'s local shard and the token marking it on ``p``: ``torch.utils.swap_tensors``
+    (``to_empty``, ``.to()``) swaps ``__dict__`` along with the contents, so the token leaves with them."""
+    view = p.to_local()  # type: ignore[attr-defined]  # a fresh view (not the DTensor's own) for a Parameter
+    token = next(_tokens)
+    setattr(p, _TOKEN_ATTR, token)
+    return view, token
+
+
+def _mirror(slot: _Slot, entry: dict[str, Any], keys: frozenset[str], local_state: _LocalState) -> bool:
+    """Put the local tensors of ``entry`` (a DTensor state entry) in ``local_state`` for ``slot``."""
+    if entry.keys() != keys:
+        return False
+    local_entry: dict[str, Any] = {}
+    for k, v in entry.items():
+        if isinstance(v, DTensor):
+            if not _same(v.placements, slot.placements):
+                return False
+            v = v.to_local()
+            if v.shape != slot.local.shape:
+                return False
+        elif isinstance(v, torch.Tensor) and k not in _SCALAR_KEYS:
+            return False
+        local_entry[k] = v
+    slot.entry, slot.values = entry, tuple(entry.values())
+    local_state[slot.local] = local_entry
+    return True
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return a is b or a == b
+
+
+class _LocalState(dict):  # type: ignore[type-arg]
+    """The view's ``state``: the local entries of our shards; any other key reads (and lazily creates,
+    as the real defaultdict would) the real optimizer's entry, so plain parameters share their state."""
+
+    def __init__(self, real: dict[Any, dict[str, Any]]) -> None:
+        super().__init__()
+        self.real = real
+
+    def __missing__(self, key: Any) -> dict[str, Any]:
+        return self.real[key]
