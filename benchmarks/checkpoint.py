@@ -29,7 +29,7 @@ import torch.distributed as dist
 from _common import GPT, GPTConfig, init, launch_if_needed, loss_fn, machine, median, rank0_print, timed_max
 
 from fully_shard import fully_shard
-from fully_shard.checkpoint import files as ckpt_files
+from fully_shard.checkpoint import safetensors_io as ckpt_files
 
 
 def parse_args() -> argparse.Namespace:

@@ -2,20 +2,23 @@
 
 Messages travel as UTF-8 JSON in uint8 tensors (never pickle). Without an initialized process group
 everything degrades to a one-rank no-op, so save/load/consolidate also work in a plain single process.
-``agree`` is the rule that keeps errors from hanging a job: every phase ends with every rank calling it,
-and if any rank failed, every rank raises the same CheckpointError naming the failing rank.
+``phase`` is the rule that keeps errors from hanging a job: every phase of save/load runs inside
+``with comm.phase(what):``, which ends with every rank agreeing; if any rank failed, every rank raises
+the same CheckpointError naming the failing rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import traceback
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .format import CheckpointError
+from .errors import CheckpointError
 
 
 class Comm:
@@ -98,6 +101,27 @@ class Comm:
         ranks = ", ".join(str(r) for r, _ in failed)
         text = f"{phase} failed on rank(s) {ranks}; rank {first_rank} reports:\n{first}"
         raise CheckpointError(text) from error
+
+    @contextlib.contextmanager
+    def phase(self, what: str, on_error: Callable[[], None] | None = None) -> Iterator[None]:
+        """Run the body, then agree across ranks: if it raised on any rank, raise on every rank (collective).
+
+        ``on_error`` runs on every rank before the common CheckpointError propagates (cleanup). Only
+        ``Exception`` is converted: ``KeyboardInterrupt`` and ``SystemExit`` propagate unchanged on the
+        rank that got them, without another collective, because an interrupt means "stop now" and must
+        not wait for peers; those peers then fail in their next collective (the job is going down).
+        """
+        error: Exception | None = None
+        try:
+            yield
+        except Exception as e:
+            error = e
+        try:
+            self.agree(error, what)
+        except CheckpointError:
+            if on_error is not None:
+                on_error()
+            raise
 
     def barrier(self) -> None:
         if self.on and self.world > 1:

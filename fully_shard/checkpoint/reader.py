@@ -1,6 +1,6 @@
-"""checkpoint.load and checkpoint.consolidate: verify first, then read only the rows each rank needs.
+"""checkpoint.load: verify first, then read only the rows each rank needs.
 
-load phases (each ends in a collective agreement, so bad input raises the same error on every rank):
+Phases (each runs inside ``comm.phase``, so bad input raises the same error on every rank):
 1. index: rank 0 restores an interrupted commit if needed and reads index.json; all ranks validate it.
 2. match: the model's (and optimizer's) keys, dtypes and shapes against the index; plan the reads.
 3. verify: files' sizes and safetensors headers for the files this rank reads, plus the xxh3 digest of
@@ -10,8 +10,6 @@ load phases (each ends in a collective agreement, so bad input raises the same e
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass
@@ -20,22 +18,18 @@ from typing import Any
 import torch
 import torch.nn as nn
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from . import files
+from . import commit as commit_dir
 from . import format as fmt
+from . import safetensors_io as sio
 from .codec import ST_TO_TORCH, decode
 from .comm import Comm
-from .format import CheckpointError
-from .state_dict import (
-    from_local_like,
-    held_like,
-    load_optimizer_state,
-    model_views,
-    optimizer_params,
-    state_is_sharded,
-)
+from .errors import CheckpointError, format_diff, structure_diff
+from .rows import overlaps
+from .state_dict import load_optimizer_state
+from .validate import parse_index
+from .views import from_local_like, held_like, model_views, optimizer_params, state_is_sharded
 from .writer import wait_pending
 
 
@@ -51,7 +45,7 @@ class _Read:
 def read_index(path: str, restore: bool = True) -> str:
     """The text of ``path``/index.json, with clear errors for paths that are not checkpoints."""
     if restore and not os.path.exists(path):
-        files.recover(path, cleanup=False)
+        commit_dir.recover(path, cleanup=False)
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such checkpoint directory; fix: check the path (checkpoints exist only "
                               "after save() returned / handle.wait() committed them)")
@@ -90,7 +84,7 @@ class _Loader:
 
     def add(self, entry: fmt.TensorEntry, held: tuple[int, int], dst: torch.Tensor) -> None:
         scalar = not entry.shape
-        for chunk, s, e in fmt.overlaps(entry.chunks, *held):
+        for chunk, s, e in overlaps(entry.chunks, *held):
             view = dst if scalar else dst[s - held[0]: e - held[0]]
             self.reads.append(_Read(chunk.file, chunk.key, (s - chunk.start, e - chunk.start), view, scalar))
 
@@ -101,11 +95,11 @@ class _Loader:
         found.update({a: found[t] for a, t in index.aliases.items()})
         expected = {v.name: _sig(v.dtype, v.shape) for v in views}
         expected.update({a: expected[t] for a, t in aliases.items()})
-        missing, unexpected, mismatched = fmt.structure_diff(expected, found)
+        missing, unexpected, mismatched = structure_diff(expected, found)
         if not strict:
             missing, unexpected = [], []
         if missing or unexpected or mismatched:
-            raise CheckpointError(fmt.format_diff(
+            raise CheckpointError(format_diff(
                 f"checkpoint {self.path} does not match the model:", missing, unexpected, mismatched,
                 "load the checkpoint into the model it was saved from (same architecture and dtypes); "
                 "strict=False skips missing/unexpected keys but never dtype/shape differences"))
@@ -160,7 +154,7 @@ class _Loader:
             rec = self.index.files[name]
             full = os.path.join(self.path, name)
             where = f"{full}"
-            header = files.read_header(full, rec.size, where)
+            header = sio.read_header(full, rec.size, where)
             for tname, entry, c in chunks_by_file[name]:
                 t = header.tensors.get(c.key)
                 want = {"dtype": entry.dtype, "shape": list(entry.chunk_shape(c))}
@@ -170,7 +164,7 @@ class _Loader:
                                           f"{want}, found {found}; fix: the file does not belong to this index "
                                           "(mixed checkpoints?) or is damaged")
             if name in digests:
-                digest = files.digest_file(full)
+                digest = sio.digest_file(full)
                 if digest != rec.digest:
                     raise CheckpointError(f"{where}: content digest {digest} differs from {rec.digest} recorded in "
                                           f"{fmt.INDEX_FILE} (xxh3_128): the file was modified or corrupted after "
@@ -250,102 +244,25 @@ def load(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.
     path = os.path.abspath(os.fspath(path))
     what = f"checkpoint.load({path!r})"
     text: str | None = None
-    error: BaseException | None = None
-    if comm.rank == 0:
-        try:
+    with comm.phase(f"{what}: reading the index"):
+        if comm.rank == 0:
             text = read_index(path)
-        except BaseException as e:
-            error = e
-    comm.agree(error, f"{what}: reading the index")
     text = comm.broadcast_json(text)
     assert text is not None
-    loader: _Loader | None = None
-    try:
-        loader = _Loader(comm, path, fmt.Index.parse(text, os.path.join(path, fmt.INDEX_FILE)))
+    with comm.phase(f"{what}: matching the model"):
+        loader = _Loader(comm, path, parse_index(text, os.path.join(path, fmt.INDEX_FILE)))
         loader.plan_model(model, strict)
         if optimizer is not None:
             loader.plan_optimizer(model, optimizer, strict)
-    except BaseException as e:
-        error = e
-    comm.agree(error, f"{what}: matching the model")
-    assert loader is not None
-    try:
+    with comm.phase(f"{what}: verifying files"):
         used = loader.used_files({"model", "extra"} | ({"optim"} if optimizer is not None else set()))
         mine = {n for n in used if loader.index.files[n].rank % comm.world == comm.rank} if verify else set()
         loader.check_files({r.file for r in loader.reads}, mine)
-    except BaseException as e:
-        error = e
-    comm.agree(error, f"{what}: verifying files")
-    try:
+    with comm.phase(f"{what}: reading (the model may be partially loaded)"):
         loader.run_reads()
-    except BaseException as e:
-        error = e
-    comm.agree(error, f"{what}: reading (the model may be partially loaded)")
-    result: Any = None
-    try:
+    with comm.phase(f"{what}: loading optimizer state and extra"):
         if optimizer is not None and loader.index.optimizer is not None:
             load_optimizer_state(model, optimizer, loader.optimizer_state_dict(), strict,
                                  loader.index.optimizer.sharded, copy=False)
         result = loader.extra()
-    except BaseException as e:
-        error = e
-    comm.agree(error, f"{what}: loading optimizer state and extra")
     return result
-
-
-def consolidate(path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
-                max_shard_bytes: int = 5_000_000_000, verify: bool = True) -> list[str]:
-    """Write the model weights as Hugging Face-style safetensors (single process, bounded memory).
-
-    Produces ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``
-    when the weights exceed ``max_shard_bytes``; full tensors under their original names, readable by
-    ``safetensors.torch.load_file`` and ``transformers``. At most one output file's tensors (about
-    ``max_shard_bytes``, or one larger tensor) are in memory at a time. Returns the written paths.
-    """
-    path = os.path.abspath(os.fspath(path))
-    out = os.path.abspath(os.fspath(out_dir))
-    index = fmt.Index.parse(read_index(path), os.path.join(path, fmt.INDEX_FILE))
-    loader = _Loader(Comm.single(), path, index)
-    names = list(index.model) + list(index.aliases)
-    model_files = loader.used_files({"model"})
-    loader.check_files(model_files, model_files if verify else set())
-    groups = fmt.plan_output_shards([(n, index.model[index.aliases.get(n, n)].nbytes) for n in names],
-                                    max_shard_bytes)
-    os.makedirs(out, exist_ok=True)
-    targets = ["model.safetensors"] if len(groups) == 1 else [
-        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    written = []
-    weight_map: dict[str, str] = {}
-    total = 0
-    for target, group in zip(targets, groups):
-        tensors = {}
-        for name in group:
-            entry = index.model[index.aliases.get(name, name)]
-            tensors[name] = torch.empty(entry.shape, dtype=ST_TO_TORCH[entry.dtype])
-            loader.add(entry, (0, entry.rows), tensors[name])
-            weight_map[name] = target
-            total += entry.nbytes
-        loader.run_reads()
-        loader.reads = []
-        tmp = os.path.join(out, f".{target}.tmp")
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        files.fsync_path(tmp)
-        written.append((tmp, os.path.join(out, target)))
-        del tensors
-    stale = [n for n in os.listdir(out) if n == "model.safetensors.index.json" or n == "model.safetensors"
-             or (n.startswith("model-") and n.endswith(".safetensors"))]
-    for n in stale:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(out, n))
-    for tmp, final in written:
-        os.rename(tmp, final)
-    results = [final for _, final in written]
-    if len(groups) > 1:
-        index_path = os.path.join(out, "model.safetensors.index.json")
-        with open(index_path, "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        results.append(index_path)
-    files.fsync_path(out, directory=True)
-    return results

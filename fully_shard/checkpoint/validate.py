@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .errors import CheckpointError, short
 from .format import (
     DIGEST_ALGO,
     DIGEST_RE,
@@ -17,7 +18,6 @@ from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MAX_INDEX_BYTES,
-    CheckpointError,
     Chunk,
     FileEntry,
     Index,
@@ -25,10 +25,13 @@ from .format import (
     TensorEntry,
     Value,
     check_file_name,
-    coverage_problem,
-    rows_of,
-    short,
 )
+from .rows import coverage_problem, rows_of
+
+
+def parse_index(text: str | bytes, source: str) -> Index:
+    """Parse and fully validate an index; raise CheckpointError naming ``source`` and the bad key."""
+    return IndexParser(source).parse(text)
 
 
 class IndexParser:

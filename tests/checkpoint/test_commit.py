@@ -14,7 +14,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from fully_shard import checkpoint
-from fully_shard.checkpoint import files
+from fully_shard.checkpoint import commit as commit_dir
+from fully_shard.checkpoint import safetensors_io as sio
 from tests.checkpoint import common as C
 from tests.distributed.harness import distributed
 
@@ -30,15 +31,15 @@ def _async_save(tmp: str) -> dict:
     model, opt = _fresh(0)
     C.train(model, opt, 0, 2)
     before, before_opt = C.full_state(model), C.full_optim(model, opt)
-    real_write = files.write_file
+    real_write = sio.write_file
     writing = threading.Event()
 
-    def slow_write(*args: object, **kwargs: object) -> dict:
+    def slow_write(*args: object, **kwargs: object) -> sio.WrittenFile:
         writing.set()
         time.sleep(0.4)  # a slow disk, so that the overlap is observable
         return real_write(*args, **kwargs)  # type: ignore[arg-type]
 
-    files.write_file = slow_write  # type: ignore[assignment]
+    sio.write_file = slow_write  # type: ignore[assignment]
     try:
         handle = checkpoint.save(path, model, opt, extra={"step": 2}, async_save=True)
         assert handle is not None
@@ -48,7 +49,7 @@ def _async_save(tmp: str) -> dict:
         handle.wait()
         handle.wait()  # idempotent
     finally:
-        files.write_file = real_write
+        sio.write_file = real_write
     after = C.full_state(model)
     loaded, loaded_opt = _fresh(9)
     assert checkpoint.load(path, loaded, loaded_opt) == {"step": 2}
@@ -115,24 +116,24 @@ def test_recovery_of_interrupted_commits(tmp_path: Path) -> None:
     _save_gen(path, 1.0)
     _save_gen(str(tmp_path / "new"), 2.0)
     # Crash between "rename old aside" and "rename new in": path is missing, both complete siblings exist.
-    os.rename(path, files._sibling(path, "old", "ab12"))
-    os.rename(str(tmp_path / "new"), files.tmp_dir(path, "ab12"))
+    os.rename(path, commit_dir._sibling(path, "old", "ab12"))
+    os.rename(str(tmp_path / "new"), commit_dir.tmp_dir(path, "ab12"))
     assert not os.path.exists(path)
     assert _load_gen(path) == 2.0  # load finishes the commit
     assert os.path.isdir(path)
     # Crash before the index was written: an incomplete tmp dir never loads and the next save removes it.
-    os.makedirs(files.tmp_dir(path, "cd34"))
-    Path(files.tmp_dir(path, "cd34"), "model-rank00000.safetensors").write_bytes(b"half")
+    os.makedirs(commit_dir.tmp_dir(path, "cd34"))
+    Path(commit_dir.tmp_dir(path, "cd34"), "model-rank00000.safetensors").write_bytes(b"half")
     assert _load_gen(path) == 2.0
     # Crash after the new checkpoint was renamed in, before the old one was deleted.
     _save_gen(str(tmp_path / "older"), 0.5)
-    os.rename(str(tmp_path / "older"), files._sibling(path, "old", "ef56"))
+    os.rename(str(tmp_path / "older"), commit_dir._sibling(path, "old", "ef56"))
     assert _load_gen(path) == 2.0
     _save_gen(path, 3.0)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # leftovers cleaned by the next save
     assert _load_gen(path) == 3.0
     # Only an old copy survives (path missing, no new tmp): it is restored rather than lost.
-    os.rename(path, files._sibling(path, "old", "0099"))
+    os.rename(path, commit_dir._sibling(path, "old", "0099"))
     assert _load_gen(path) == 3.0
 
 
