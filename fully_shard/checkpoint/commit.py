@@ -51,26 +51,34 @@ def _siblings(path: str) -> list[tuple[str, str, str]]:
     return out
 
 
-def recover(path: str, cleanup: bool = True) -> list[str]:
-    """Finish or roll back an interrupted commit of ``path``; with ``cleanup`` delete leftovers.
+def committed_sibling(path: str) -> str | None:
+    """Read-only: the complete sibling that holds ``path``'s newest committed data while ``path`` is missing.
 
-    Single writer per path: call on one rank while no save of ``path`` is in flight. Returns the
-    actions taken. Loading only restores a missing ``path`` (cleanup=False) and deletes nothing.
+    A commit interrupted between its two renames (or a writer caught between them) leaves ``.old-N`` and
+    the complete ``.tmp-N``: the new generation is ``.tmp-N``. Only complete ``.old-*`` directories left
+    (not produced by this sequence): the old data.
+    """
+    siblings = _siblings(path)
+    olds = {nonce: p for kind, nonce, p in siblings if kind == "old" and is_complete(p)}
+    tmps = {nonce: p for kind, nonce, p in siblings if kind == "tmp" and is_complete(p)}
+    return next((tmps[n] for n in olds if n in tmps), None) or next(iter(olds.values()), None)
+
+
+def recover(path: str) -> list[str]:
+    """Writer side: finish or roll back an interrupted commit of ``path``, then delete leftovers.
+
+    Single writer per path: rank 0 calls it at the start of every save. Returns the actions taken.
+    ``load`` never calls it (a load never modifies the directory; it reads committed_sibling instead).
     """
     actions = []
     parent = os.path.dirname(path) or "."
-    siblings = _siblings(path)
     if not os.path.exists(path):
-        olds = {nonce: p for kind, nonce, p in siblings if kind == "old" and is_complete(p)}
-        tmps = {nonce: p for kind, nonce, p in siblings if kind == "tmp" and is_complete(p)}
-        promote = next((tmps[n] for n in olds if n in tmps), None)  # crashed between the two renames
-        if promote is None and olds:
-            promote = next(iter(olds.values()))  # cannot happen in our sequence; keep the old data
+        promote = committed_sibling(path)
         if promote is not None:
             os.rename(promote, path)
             sio.fsync_path(parent, directory=True)
             actions.append(f"restored {path} from {os.path.basename(promote)}")
-    for kind, _, p in _siblings(path) if cleanup else []:
+    for kind, _, p in _siblings(path):
         shutil.rmtree(p, ignore_errors=True)
         actions.append(f"removed leftover {kind} directory {os.path.basename(p)}")
     return actions
@@ -106,10 +114,11 @@ def commit(tmp: str, path: str, nonce: str) -> None:
 
 
 def retain(path: str, keep_last: int) -> list[str]:
-    """Delete older checkpoints of the same series as ``path`` so that ``keep_last`` remain.
+    """Delete older checkpoints of ``path``'s series so that ``keep_last`` remain; return the deleted names.
 
-    The series is the sibling directories whose names equal ``path``'s with every digit run replaced
-    (``step-000300`` and ``step-000600``) and that hold an ``index.json``; ordered by those numbers.
+    The series is the sibling directories that hold an ``index.json`` and whose names equal ``path``'s
+    except for the step, the last run of digits (``exp1-step-000300``, ``exp1-step-600``; never
+    ``exp2-step-000300`` or ``seed1-step-900`` for ``seed2-step-100``). They are ordered by step number;
     ``path`` itself is always kept. Each victim is renamed to a hidden name before it is deleted, so a
     crash never leaves a half-deleted directory under a checkpoint name.
     """
@@ -121,8 +130,9 @@ def retain(path: str, keep_last: int) -> list[str]:
     for entry in os.listdir(parent or "."):
         full = os.path.join(parent, entry)
         k = series_key(entry)
-        if k is not None and k[0] == key[0] and os.path.isdir(full) and is_complete(full):
-            series.append((k[1], entry, full))
+        if k is not None and k[:2] == key[:2] and os.path.isdir(full) and not os.path.islink(full) \
+                and is_complete(full):
+            series.append((k[2], entry, full))
     series.sort()
     keep = {full for _, _, full in series[-keep_last:]} | {path}
     removed = []
@@ -138,9 +148,13 @@ def retain(path: str, keep_last: int) -> list[str]:
     return removed
 
 
-def series_key(name: str) -> tuple[str, tuple[int, ...]] | None:
-    """(pattern, numbers) for retention: 'step-000300' -> ('step-#', (300,)); None without digits."""
-    numbers = tuple(int(n) for n in re.findall(r"\d+", name))
-    if not numbers:
+_SERIES_RE = re.compile(r"^(.*\D)?(\d+)(\D*)$")
+
+
+def series_key(name: str) -> tuple[str, str, int] | None:
+    """(prefix, suffix, step) for retention, the step being the last digit run: 'exp1-step-000300' ->
+    ('exp1-step-', '', 300); None for names without digits and hidden names."""
+    m = _SERIES_RE.match(name)
+    if m is None or name.startswith("."):
         return None
-    return re.sub(r"\d+", "#", name), numbers
+    return m.group(1) or "", m.group(3), int(m.group(2))

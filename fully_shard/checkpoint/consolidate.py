@@ -15,12 +15,11 @@ from collections.abc import Sequence
 import torch
 from safetensors.torch import save_file
 
-from . import format as fmt
 from . import safetensors_io as sio
 from .codec import ST_TO_TORCH
 from .comm import Comm
-from .reader import _Loader, read_index
-from .validate import parse_index
+from .reader import _Loader, _Read
+from .snapshot import Snapshot
 
 
 def plan_output_shards(sizes: Sequence[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
@@ -55,34 +54,40 @@ def consolidate(path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *
     """
     path = os.path.abspath(os.fspath(path))
     out = os.path.abspath(os.fspath(out_dir))
-    index = parse_index(read_index(path), os.path.join(path, fmt.INDEX_FILE))
-    loader = _Loader(Comm.single(), path, index)
-    names = list(index.model) + list(index.aliases)
-    model_files = loader.used_files({"model"})
-    loader.check_files(model_files, model_files if verify else set())
-    groups = plan_output_shards([(n, index.model[index.aliases.get(n, n)].nbytes) for n in names],
+    snapshot = Snapshot(path)
+    try:
+        index = snapshot.index
+        loader = _Loader(Comm.single(), snapshot)
+        model_files = loader.digest_share({"model"})
+        loader.digests = model_files if verify else set()
+        snapshot.open(model_files)
+        loader.check_files()
+        names = list(index.model) + list(index.aliases)
+        groups = plan_output_shards([(n, index.model[index.aliases.get(n, n)].nbytes) for n in names],
                                     max_shard_bytes)
-    os.makedirs(out, exist_ok=True)
-    targets = ["model.safetensors"] if len(groups) == 1 else [
-        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    written = []
-    weight_map: dict[str, str] = {}
-    total = 0
-    for target, group in zip(targets, groups):
-        tensors = {}
-        for name in group:
-            entry = index.model[index.aliases.get(name, name)]
-            tensors[name] = torch.empty(entry.shape, dtype=ST_TO_TORCH[entry.dtype])
-            loader.add(entry, (0, entry.rows), tensors[name])
-            weight_map[name] = target
-            total += entry.nbytes
-        loader.run_reads()
-        loader.reads = []
-        tmp = os.path.join(out, f".{target}.tmp")
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        sio.fsync_path(tmp)
-        written.append((tmp, os.path.join(out, target)))
-        del tensors
+        os.makedirs(out, exist_ok=True)
+        targets = ["model.safetensors"] if len(groups) == 1 else [
+            f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        written = []
+        weight_map: dict[str, str] = {}
+        total = 0
+        for target, group in zip(targets, groups):
+            tensors = {}
+            reads: list[_Read] = []
+            for name in group:
+                entry = index.model[index.aliases.get(name, name)]
+                tensors[name] = torch.empty(entry.shape, dtype=ST_TO_TORCH[entry.dtype])
+                loader.add(reads, entry, (0, entry.rows), tensors[name])
+                weight_map[name] = target
+                total += entry.nbytes
+            loader.run(reads)
+            tmp = os.path.join(out, f".{target}.tmp")
+            save_file(tensors, tmp, metadata={"format": "pt"})
+            sio.fsync_path(tmp)
+            written.append((tmp, os.path.join(out, target)))
+            del tensors
+    finally:
+        snapshot.close()
     stale = [n for n in os.listdir(out) if n == "model.safetensors.index.json" or n == "model.safetensors"
              or (n.startswith("model-") and n.endswith(".safetensors"))]
     for n in stale:

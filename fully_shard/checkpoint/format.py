@@ -3,7 +3,7 @@
 See design/checkpoint-format.md sections 2-3. A checkpoint is a directory of safetensors files plus one
 JSON index. The index lists, per logical tensor, its dtype, global shape and the chunks (rows of one
 safetensors tensor in one file) that cover its rows exactly once. Parsing and validating an index is
-validate.py's job; this module only describes and serializes it (no I/O, no torch).
+validate.py's job; this module only describes, serializes and seals it (no I/O, no torch).
 """
 
 from __future__ import annotations
@@ -15,13 +15,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from .errors import CheckpointError, short
 from .rows import row_numel, rows_of
 
 FORMAT_NAME = "fully_shard-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the index ends with its own digest; safetensors headers are deterministic
 INDEX_FILE = "index.json"
 DIGEST_ALGO = "xxh3_128"
+INDEX_DIGEST_KEY = "index_digest"
+# The index's last field: the xxh3_128 of every byte before this trailer, so any changed byte is caught
+# before the JSON is even parsed. The trailer's form is fixed for every format version.
+SEAL_RE = re.compile(rb',\n "index_digest": "([0-9a-f]{32})"\n}\n\Z')
 MAX_INDEX_BYTES = 256 << 20
 MAX_HEADER_BYTES = 100_000_000  # the safetensors reference implementation's own limit
 
@@ -138,6 +144,7 @@ class Index:
     extra_per_rank: list[Any] | None = None
     created: dict[str, Any] = field(default_factory=dict)
     version: int = FORMAT_VERSION
+    digest: str = ""  # the index's own digest (set by parse_index): it names this generation
 
     def all_tensors(self) -> Iterable[tuple[str, str, TensorEntry]]:
         """(namespace, name, entry) for every logical tensor in the checkpoint."""
@@ -164,7 +171,17 @@ class Index:
             "extra": self.extra,
             "extra_per_rank": self.extra_per_rank,
         }
-        return _dump(doc, 0) + "\n"
+        return seal(_dump(doc, 0))
+
+
+def seal(text: str) -> str:
+    """``text`` (a JSON object) with the digest trailer as its last field: the form index.json has on disk."""
+    body = text.rstrip()
+    if not body.endswith("}") or body.rstrip("}").rstrip().endswith("{"):
+        raise ValueError("seal() needs a non-empty JSON object")
+    body = body[:-1].rstrip()
+    digest = xxhash.xxh3_128_hexdigest(body.encode())
+    return f'{body},\n "{INDEX_DIGEST_KEY}": "{digest}"\n}}\n'
 
 
 def _dump(value: Any, depth: int, limit: int = 2) -> str:

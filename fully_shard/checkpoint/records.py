@@ -7,7 +7,6 @@ report against it, so a rank with a different structure is named instead of prod
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -120,7 +119,7 @@ def assemble_index(world: int, skeleton: Skeleton, reports: Sequence[RankReport]
                           for name, v in names.items()}
         optimizer = fmt.OptimEntry(skeleton.optimizer.param_groups, state, set(skeleton.optimizer.sharded))
     blobs = {k[1]: entry(k) for k in chunks if k[0] == "extra"}
-    created = {"unix_time": time.time(), "writer": "fully_shard.checkpoint", "torch": torch.__version__}
+    created = {"writer": "fully_shard.checkpoint", "torch": torch.__version__}
     return fmt.Index(world_size=world, files=files, model=model, aliases=skeleton.aliases, optimizer=optimizer,
                      blobs=blobs, extra=reports[0].extra,
                      extra_per_rank=[r.extra for r in reports] if extra_per_rank else None, created=created)

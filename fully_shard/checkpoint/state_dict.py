@@ -171,6 +171,26 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, osd
     With ``copy`` the optimizer gets private copies (torch's load_state_dict would keep references, so
     two optimizers loaded from one dict would silently share and corrupt each other's moments).
     """
+    optimizer.load_state_dict(torch_optimizer_state(model, optimizer, osd, strict, saved_sharded, copy))
+
+
+def _state_problem(groups: list[list[tuple[str, torch.Tensor]]], optimizer: torch.optim.Optimizer,
+                   osd: OptimStateDict) -> str | None:
+    """Under strict: a parameter whose optimizer already has state must get the same state names."""
+    saved = osd.get("state", {})
+    for entries in groups:
+        for fqn, p in entries:
+            existing = sorted(optimizer.state.get(p, {}))
+            if existing and saved and sorted(saved.get(fqn, {})) != existing:
+                return (f"  {fqn}: the optimizer holds state {existing}, the saved state has "
+                        f"{sorted(saved.get(fqn, {}))}")
+    return None
+
+
+def torch_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, osd: OptimStateDict,
+                          strict: bool = True, saved_sharded: set[tuple[str, str]] | None = None,
+                          copy: bool = True) -> dict[str, Any]:
+    """The checked, id-keyed state dict that ``optimizer.load_state_dict`` takes for ``osd`` (no side effect)."""
     groups = optimizer_params(model, optimizer)
     current = [[fqn for fqn, _ in g] for g in groups]
     saved_groups = osd.get("param_groups", [])
@@ -183,6 +203,10 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, osd
             "optimizer state does not match the optimizer's parameters (keyed by FQN):\n"
             f"  {problem or ''}{'' if not unexpected else f'  state for unknown parameters: {unexpected[:10]}'}\n"
             "  fix: build the optimizer with the same parameter groups as when saving, or load with strict=False")
+    names_problem = _state_problem(groups, optimizer, osd) if strict else None
+    if names_problem:
+        raise CheckpointError(f"optimizer state names do not match the optimizer's:\n{names_problem}\n  fix: load "
+                              "state saved from the same optimizer class, or load with strict=False")
     ids: dict[str, int] = {}
     new_groups = []
     for group, entries in zip(optimizer.param_groups, groups):
@@ -213,7 +237,7 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, osd
                         value = value.detach().clone()
                 out[name] = value
             state[ids[fqn]] = out
-    optimizer.load_state_dict({"state": state, "param_groups": new_groups})
+    return {"state": state, "param_groups": new_groups}
 
 
 def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: OptimStateDict, *,

@@ -13,6 +13,7 @@ Phases (each runs inside ``comm.phase``, so a failure on one rank raises on all 
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -212,27 +213,35 @@ class SaveHandle:
 
 
 def save(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         extra: Encoded = None, async_save: bool = False, keep_last: int | None = None) -> SaveHandle | None:
+         extra: Encoded = None, async_save: bool = False, keep_last: int | None = None,
+         timeout: datetime.timedelta | float | None = None) -> SaveHandle | None:
     """Save model (+ optimizer + extra) to the checkpoint directory ``path``. Collective.
 
     Returns None, or with ``async_save=True`` a SaveHandle as soon as the state is staged in host memory;
     the checkpoint exists once ``handle.wait()`` returns on every rank (the next save/load waits for it).
-    ``keep_last=N`` deletes older checkpoints of the same numbered series after the commit.
+    ``keep_last=N`` then deletes the oldest checkpoints of ``path``'s series (same name but for the step,
+    the last digit run) so that N remain. ``timeout`` (seconds or a timedelta, default 5 minutes) bounds
+    how long a rank waits for the others at each phase; the error names the phase and the missing ranks.
+    Identical state gives identical files (and digests).
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
     wait_pending()
-    comm = Comm()
+    comm = Comm(timeout)
     path = os.path.abspath(os.fspath(path))
     what = f"checkpoint.save({path!r})"
-    nonce = ""
-    with comm.phase(f"{what}: preparing", on_error=lambda: _remove_on_rank0(comm, nonce and commit_dir.tmp_dir(path, nonce))):
+    facts: dict[str, Encoded] = {}
+    with comm.phase(f"{what}: describing", facts=facts):
         items, plan, shared = _describe(model, optimizer, extra)
+        facts.update(_structure_facts(plan.skeleton))
+    nonce = ""
+    with comm.phase(f"{what}: preparing the directory",
+                    on_error=lambda: _remove_on_rank0(comm, nonce and commit_dir.tmp_dir(path, nonce))):
         if comm.rank == 0:
             nonce = _prepare_directory(path)
-    nonce = comm.broadcast_json(nonce)
+    nonce = comm.broadcast_json(nonce, what=what)
     target = _Target(path, commit_dir.tmp_dir(path, nonce), nonce, keep_last)
-    uniform = len(set(comm.all_gather_json(plan.extra_digest))) == 1
+    uniform = len(set(comm.all_gather_json(plan.extra_digest, what=what))) == 1
     with comm.phase(f"{what}: staging", on_error=lambda: _remove_on_rank0(comm, target.tmp)):
         if not os.path.isdir(target.tmp):
             raise CheckpointError(f"rank {comm.rank} cannot see the directory {target.tmp} that rank 0 created; "
@@ -247,6 +256,20 @@ def save(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.
         return handle
     _commit(comm, target, plan, lambda: _write(target.tmp, plan, comm.rank, comm.world), extra_per_rank=not uniform)
     return None
+
+
+def _structure_facts(skeleton: Skeleton) -> dict[str, Encoded]:
+    """What every rank must agree on before anything is written: an extra buffer on one rank, or an
+    optimizer passed on one rank only, would otherwise be dropped or half written."""
+    optim = None if skeleton.optimizer is None else {
+        fqn: {n: "value" if isinstance(v, fmt.Value) else [v[0], list(v[1])] for n, v in names.items()}
+        for fqn, names in skeleton.optimizer.state.items()}
+    return {"model structure": {n: [d, list(s)] for n, (d, s) in skeleton.model.items()},
+            "tied weights": skeleton.aliases,
+            "optimizer passed": skeleton.optimizer is not None,
+            "optimizer state": optim,
+            "optimizer param groups": None if skeleton.optimizer is None else
+            [g["params"] for g in skeleton.optimizer.param_groups]}
 
 
 def _prepare_directory(path: str) -> str:
@@ -274,7 +297,7 @@ def _commit(comm: Comm, target: _Target, plan: _Plan, write: Callable[[], dict[s
     with comm.phase(f"{target.what}: writing", on_error=lambda: _remove_on_rank0(comm, target.tmp)):
         written = write()
     report = RankReport(written, tuple(plan.chunks), plan.extra)
-    reports = [RankReport.from_json(r) for r in comm.all_gather_json(report.to_json())]
+    reports = [RankReport.from_json(r) for r in comm.all_gather_json(report.to_json(), what=target.what)]
     with comm.phase(f"{target.what}: commit", on_error=lambda: _remove_on_rank0(comm, target.tmp)):
         if comm.rank == 0:
             index = assemble_index(comm.world, plan.skeleton, reports, extra_per_rank)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -110,6 +111,16 @@ def _load_gen(path: str) -> float:
     return gen
 
 
+def _tree(root: Path) -> list[tuple[str, int, int]]:
+    """Every entry under ``root`` with its size and mtime: what a read-only load must leave as it found it."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            st = os.stat(os.path.join(dirpath, name))
+            out.append((os.path.relpath(os.path.join(dirpath, name), root), st.st_size, st.st_mtime_ns))
+    return sorted(out)
+
+
 def test_recovery_of_interrupted_commits(tmp_path: Path) -> None:
     """The states a crash can leave on disk (single process), and what load / the next save make of them."""
     path = str(tmp_path / "ckpt")
@@ -119,8 +130,14 @@ def test_recovery_of_interrupted_commits(tmp_path: Path) -> None:
     os.rename(path, commit_dir._sibling(path, "old", "ab12"))
     os.rename(str(tmp_path / "new"), commit_dir.tmp_dir(path, "ab12"))
     assert not os.path.exists(path)
-    assert _load_gen(path) == 2.0  # load finishes the commit
-    assert os.path.isdir(path)
+    before = _tree(tmp_path)
+    assert _load_gen(path) == 2.0  # load reads the new generation from its sibling ...
+    assert _tree(tmp_path) == before  # ... and never modifies the directory
+    _save_gen(str(tmp_path / "other"), 9.0)  # a save of another path leaves this one alone
+    assert not os.path.exists(path)
+    commit_dir.recover(path)  # the next save of the path finishes the commit (rank 0 calls recover)
+    assert os.path.isdir(path) and _load_gen(path) == 2.0
+    shutil.rmtree(tmp_path / "other")
     # Crash before the index was written: an incomplete tmp dir never loads and the next save removes it.
     os.makedirs(commit_dir.tmp_dir(path, "cd34"))
     Path(commit_dir.tmp_dir(path, "cd34"), "model-rank00000.safetensors").write_bytes(b"half")

@@ -226,7 +226,7 @@ def test_kill_a_rank_mid_save_two_ranks(tmp_path: Path) -> None:
     codes, _ = _two_ranks(path, victim=1, kill_at=1)
     assert codes[1] == 9, codes
     assert _load_gen(path, _small) == 1.0
-    assert any(".a.tmp-" in n for n in os.listdir(tmp_path))  # the debris is invisible to load
+    # Any debris (a .a.tmp-* directory, unless rank 0 saw its peer die and removed it first) is invisible to load.
     # Rank 0 dies between renaming the old checkpoint aside and renaming the new one in: load recovers.
     path = str(tmp_path / "b")
     codes, _ = _two_ranks(path, victim=0, kill_at=renames[1])

@@ -8,11 +8,13 @@ import math
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fully_shard.checkpoint import format as fmt
 from fully_shard.checkpoint import rows as row_math
+from fully_shard.checkpoint import validate
 from fully_shard.checkpoint.codec import Encoder, decode, tensor_refs
 from fully_shard.checkpoint.commit import series_key
 from fully_shard.checkpoint.consolidate import plan_output_shards
@@ -179,7 +181,14 @@ def test_index_round_trip() -> None:
 
 
 def _doc() -> dict:
-    return json.loads(_index().to_json())
+    doc = json.loads(_index().to_json())
+    del doc[fmt.INDEX_DIGEST_KEY]
+    return doc
+
+
+def _sealed(doc: dict) -> str:
+    """An edited index with a recomputed digest (as an adversary or a tool could write it)."""
+    return fmt.seal(json.dumps(doc))
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -202,14 +211,42 @@ def test_bad_index_is_rejected_with_the_key(mutate, message: str) -> None:
     doc = _doc()
     mutate(doc)
     with pytest.raises(CheckpointError, match=r"x/index\.json") as err:
+        parse_index(_sealed(doc), "x/index.json")
+    assert message in str(err.value), str(err.value)
+    with pytest.raises(CheckpointError, match=r"x/index\.json.*(digest|trailer)"):  # the edit without the digest
         parse_index(json.dumps(doc), "x/index.json")
+
+
+def test_every_byte_of_the_index_is_covered_by_its_digest() -> None:
+    text = _index().to_json().encode()
+    assert parse_index(text, "x/index.json").digest == json.loads(text)[fmt.INDEX_DIGEST_KEY]
+    for i in range(len(text)):  # every single-byte change, anywhere (the trailer included), is refused
+        flipped = text[:i] + bytes([text[i] ^ 0x01]) + text[i + 1:]
+        with pytest.raises(CheckpointError, match=r"x/index\.json"):
+            parse_index(flipped, "x/index.json")
+
+
+@pytest.mark.parametrize("body, message", [
+    ('{"a": NaN}', "non-finite number 'NaN'"),
+    ('{"a": {"b": [-Infinity]}}', "a['b'][0]: non-finite"),
+    ('{"a": [1e999]}', "a[0]: non-finite number inf"),
+    ('{"a": 1, "b": {"c": 1, "c": 2}}', "b: duplicate key 'c'"),
+    ('{"a": ' + "[" * 70 + "]" * 70 + "}", "nested deeper than the 64 levels"),
+    ('{"a": ' + "[" * 100000 + "]" * 100000 + "}", "nesting far deeper"),
+])
+def test_strict_json(body: str, message: str) -> None:
+    with pytest.raises(CheckpointError, match=r"x/index\.json") as err:
+        parse_index(fmt.seal(body), "x/index.json")
     assert message in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("text", ["", "{", "[1, 2]", "null", '{"format": "fully_shard-checkpoint"}', "\xff\xfe"])
-def test_malformed_index_text(text: str) -> None:
-    with pytest.raises(CheckpointError, match="fix:"):
-        parse_index(text, "x/index.json")
+def test_index_bytes_must_be_utf8_and_strings_bounded() -> None:
+    body = b'{"a": "caf\xe9"'  # latin-1, not UTF-8, under a valid digest
+    raw = body + b',\n "index_digest": "' + xxhash.xxh3_128_hexdigest(body).encode() + b'"\n}\n'
+    with pytest.raises(CheckpointError, match=r"x/index\.json: byte 10: not valid UTF-8"):
+        parse_index(raw, "x/index.json")
+    with pytest.raises(CheckpointError, match=r"a\['s'\]: a string of 40 characters"):
+        validate.loads_strict(b'{"a": {"s": "' + b"x" * 40 + b'"}}', "x", max_string=32)
 
 
 json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**62, 2**62), st.text(max_size=8),
@@ -246,5 +283,9 @@ def test_codec_rejects_unstorable_values() -> None:
 
 
 def test_series_key() -> None:
-    assert series_key("step-000300") == ("step-#", (300,))
-    assert series_key("final") is None
+    """The step is the last digit run; everything else names the series."""
+    assert series_key("step-000300") == ("step-", "", 300)
+    assert series_key("exp1-step-000010") == ("exp1-step-", "", 10) != series_key("exp2-step-000010")[:2]  # type: ignore[index]
+    assert series_key("seed2-step-100")[:2] != series_key("seed1-step-900")[:2]  # type: ignore[index]
+    assert series_key("step-99")[:2] == series_key("step-100")[:2]  # type: ignore[index]
+    assert series_key("final") is None and series_key(".step-1.tmp-ab12") is None
