@@ -30,6 +30,7 @@ from .errors import CheckpointError
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 _MIN_WAIT_S = 0.05  # a message already in flight at the deadline still counts as arrived
+_MESSAGE_BYTES = 2048  # a phase report or verdict fits in one message of this size (longer ones take two)
 
 # (the default process group it was made for, the checkpoint's own gloo group)
 _CONTROL: tuple[Any, dist.ProcessGroup] | None = None
@@ -87,7 +88,7 @@ class Comm:
 
     @property
     def _seconds(self) -> str:
-        return f"{self.timeout.total_seconds():g} s (timeout=)"
+        return f"the timeout of {self.timeout.total_seconds():g} s"
 
     def _wait(self, work: Any, deadline: float, what: str, problem: str) -> None:
         try:
@@ -99,19 +100,32 @@ class Comm:
                                   "is the cause (see its log)") from None
 
     def _send(self, obj: Any, dst: int, deadline: float, what: str) -> None:
-        data = torch.frombuffer(bytearray(json.dumps(obj, allow_nan=False).encode()), dtype=torch.uint8)
+        """One fixed-size message (length + the JSON's start), then the rest of a long JSON if any."""
         group = self._group(what)
-        problem = f"rank {dst} did not receive this rank's report"
-        self._wait(dist.isend(torch.tensor([data.numel()], dtype=torch.int64), dst, group), deadline, what, problem)
-        self._wait(dist.isend(data, dst, group), deadline, what, problem)
+        data = json.dumps(obj, allow_nan=False).encode()
+        head = bytearray(_MESSAGE_BYTES)
+        head[:8] = len(data).to_bytes(8, "little")
+        head[8: 8 + len(data)] = data[: _MESSAGE_BYTES - 8]
+        problem = f"rank {dst} did not arrive (it did not take this rank's report)"
+        self._wait(dist.isend(torch.frombuffer(head, dtype=torch.uint8), dst, group), deadline, what, problem)
+        if len(data) > _MESSAGE_BYTES - 8:
+            rest = torch.frombuffer(bytearray(data[_MESSAGE_BYTES - 8:]), dtype=torch.uint8)
+            self._wait(dist.isend(rest, dst, group), deadline, what, problem)
+
+    def _recv_rest(self, head: torch.Tensor, src: int, deadline: float, what: str, problem: str) -> Any:
+        raw = bytes(head.numpy())
+        size = int.from_bytes(raw[:8], "little")
+        data = raw[8: 8 + min(size, _MESSAGE_BYTES - 8)]
+        if size > _MESSAGE_BYTES - 8:
+            rest = torch.empty(size - (_MESSAGE_BYTES - 8), dtype=torch.uint8)
+            self._wait(dist.irecv(rest, src, self._group(what)), deadline, what, problem)
+            data += bytes(rest.numpy())
+        return json.loads(data)
 
     def _recv(self, src: int, deadline: float, what: str, problem: str) -> Any:
-        group = self._group(what)
-        size = torch.zeros(1, dtype=torch.int64)
-        self._wait(dist.irecv(size, src, group), deadline, what, problem)
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
-        self._wait(dist.irecv(data, src, group), deadline, what, problem)
-        return json.loads(bytes(data.numpy()))
+        head = torch.empty(_MESSAGE_BYTES, dtype=torch.uint8)
+        self._wait(dist.irecv(head, src, self._group(what)), deadline, what, problem)
+        return self._recv_rest(head, src, deadline, what, problem)
 
     # ------------------------------------------------------------------------------------------------
     # Phases.
@@ -168,8 +182,8 @@ class Comm:
         """Rank 0: collect every rank's report (bounded), send back the common verdict."""
         group = self._group(what)
         deadline = time.monotonic() + self.timeout.total_seconds()
-        sizes = {r: torch.zeros(1, dtype=torch.int64) for r in range(1, self.world)}
-        posted: dict[int, Any] = {r: dist.irecv(size, r, group) for r, size in sizes.items()}
+        heads = {r: torch.empty(_MESSAGE_BYTES, dtype=torch.uint8) for r in range(1, self.world)}
+        posted: dict[int, Any] = {r: dist.irecv(head, r, group) for r, head in heads.items()}
         reports: dict[int, Any] = {0: mine}
         missing = []
         for r, work in posted.items():
@@ -178,9 +192,7 @@ class Comm:
             except Exception:
                 missing.append(r)
                 continue
-            data = torch.empty(int(sizes[r].item()), dtype=torch.uint8)
-            self._wait(dist.irecv(data, r, group), deadline + _MIN_WAIT_S, what, f"rank {r} did not finish its report")
-            reports[r] = json.loads(bytes(data.numpy()))
+            reports[r] = self._recv_rest(heads[r], r, deadline + _MIN_WAIT_S, what, f"rank {r} did not finish its report")
         others = {r: rep["label"] for r, rep in reports.items() if rep["label"] != what}
         verdict: dict[str, Any] = {"error": None, "differ": []}
         if missing:

@@ -5,11 +5,11 @@ Phases (each runs inside ``comm.phase``, so bad input raises the same error on e
    the model and optimizer against it, plans its reads and opens every data file it needs through the
    directory's descriptor. The ranks agree on the index digest (one generation), the model structure,
    whether an optimizer was passed, and the flags.
-2. verifying files: headers, each file's own records against the index, digests of this rank's share.
-3. decoding: optimizer state and ``extra`` tensors read into fresh memory, ``extra`` and hyperparameters
+2. verifying and decoding: headers, each file's own records against the index, digests of this rank's
+   share; optimizer state and ``extra`` tensors read into fresh memory, ``extra`` and hyperparameters
    decoded, the optimizer's state dict built and checked, still without touching model or optimizer.
-4. reading the model: each rank's rows copied into its local shards (only an I/O error can fail here).
-5. loading the optimizer state (``Optimizer.load_state_dict`` of the dict built in 3).
+3. applying: each rank's rows copied into its local shards (only an I/O error can fail here), then
+   ``Optimizer.load_state_dict`` of the dict built in 2.
 """
 
 from __future__ import annotations
@@ -265,19 +265,17 @@ def load(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.
             loader = _open(comm, path, model, optimizer, strict, verify)
             facts["index digest (generation)"] = loader.index.digest
             facts["model structure"] = {k: [d, list(s)] for k, (d, s) in sorted(loader.structure.items())}
-        with comm.phase(f"{what}: verifying files"):
-            loader.check_files()
         prepared: dict[str, Any] | None = None
-        with comm.phase(f"{what}: decoding optimizer state and extra"):
+        with comm.phase(f"{what}: verifying files, decoding optimizer state and extra"):
+            loader.check_files()
             loader.run(loader.side_reads)
             if optimizer is not None and loader.index.optimizer is not None:
                 prepared = torch_optimizer_state(model, optimizer, loader.optimizer_state_dict(), strict,
                                                  loader.index.optimizer.sharded, copy=False)
             result = loader.extra()
-        with comm.phase(f"{what}: reading the model (after every check passed: an I/O error here can leave the "
-                        "model partially loaded)"):
+        with comm.phase(f"{what}: reading the model and loading the optimizer state (after every check passed: "
+                        "only an I/O error can fail here, and it can leave the model partially loaded)"):
             loader.run(loader.model_reads)
-        with comm.phase(f"{what}: loading the optimizer state"):
             if optimizer is not None and prepared is not None:
                 optimizer.load_state_dict(prepared)
     finally:
