@@ -102,6 +102,15 @@ CASES: dict[str, tuple[Callable[[str], object] | str | None, dict, dict, list[st
     "edited index (digest not recomputed)": (
         lambda d: _edit_text(d, r'"step": ?1\b', '"step": 2'), {}, {},
         ["index.json", "content digest", "differs"]),
+    # All or nothing: extra is decoded and its file checked before the model or optimizer is touched.
+    "bad marker in extra (digest recomputed)": (
+        lambda d: _edit_index(d, lambda doc: doc["extra"].update(step={"__tuple__": 5})), {}, {},
+        ["index.json", "extra: cannot decode"]),
+    "extra refers to a missing tensor (digest recomputed)": (
+        lambda d: _edit_index(d, lambda doc: doc["extra"].update(step={"__tensor__": "extra/9"})), {}, {},
+        ["index.json", "extra refers to tensor 'extra/9'"]),
+    "extra file header damaged (verify=False)": (lambda d: _flip(os.path.join(d, "extra-rank00000.safetensors"), 8),
+                                                 {}, {"verify": False}, ["extra-rank00000.safetensors", "not valid JSON"]),
     "two chunk lists swapped (digest recomputed)": (lambda d: _edit_index(d, _swap_chunks), {}, {},
                                                     [M0, "does not belong to this index"]),
     "not a checkpoint (no index)": (lambda d: os.remove(os.path.join(d, "index.json")), {}, {},
@@ -128,7 +137,7 @@ def _bad_inputs(tmp: str, names: list[str]) -> dict[str, str | None]:
     good = os.path.join(tmp, "good")
     model, opt = _model({})
     C.train(model, opt, 0, 1)
-    checkpoint.save(good, model, opt, extra={"step": 1})
+    checkpoint.save(good, model, opt, extra={"step": 1, "rng": torch.arange(3)})
     checkpoint.save(os.path.join(tmp, "no-optim"), model)
     results: dict[str, str | None] = {}
     for name in names:
@@ -152,7 +161,8 @@ def _bad_inputs(tmp: str, names: list[str]) -> dict[str, str | None]:
         assert not target_opt.state, f"{name}: optimizer changed by a failed load"
     # The pool still works and the good checkpoint still loads.
     target, target_opt = _model({})
-    assert checkpoint.load(good, target, target_opt) == {"step": 1}
+    loaded = checkpoint.load(good, target, target_opt)
+    assert loaded["step"] == 1 and torch.equal(loaded["rng"], torch.arange(3)), loaded
     C.assert_same(C.full_state(target), C.full_state(model), "good checkpoint")
     # strict=False skips missing/unexpected keys and loads the rest.
     small, small_opt = _model({"n_blocks": 1})
