@@ -88,6 +88,11 @@ def consolidate(path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *
             del tensors
     finally:
         snapshot.close()
+    return _publish(out, written, weight_map if len(groups) > 1 else None, total)
+
+
+def _publish(out: str, written: list[tuple[str, str]], weight_map: dict[str, str] | None, total: int) -> list[str]:
+    """Replace any previous output in ``out`` by the written files (and the index of a sharded output)."""
     stale = [n for n in os.listdir(out) if n == "model.safetensors.index.json" or n == "model.safetensors"
              or (n.startswith("model-") and n.endswith(".safetensors"))]
     for n in stale:
@@ -96,7 +101,7 @@ def consolidate(path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *
     for tmp, final in written:
         os.rename(tmp, final)
     results = [final for _, final in written]
-    if len(groups) > 1:
+    if weight_map is not None:
         index_path = os.path.join(out, "model.safetensors.index.json")
         with open(index_path, "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
