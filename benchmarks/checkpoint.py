@@ -29,7 +29,7 @@ import torch.distributed as dist
 from _common import GPT, GPTConfig, init, launch_if_needed, loss_fn, machine, median, rank0_print, timed_step
 
 from fully_shard import fully_shard
-from fully_shard.checkpoint import files as ckpt_files
+from fully_shard.checkpoint import safetensors_io as ckpt_files
 
 
 def parse_args() -> argparse.Namespace:
@@ -123,7 +123,7 @@ def main() -> None:
                 f"~{local / 1e6:.0f} MB of state per rank; dir {root}")
 
     hashing = [0.0]
-    real_digest = ckpt_files._digest_from_memory
+    real_digest = ckpt_files.digest_from_memory
 
     def timed_digest(*a: Any, **k: Any) -> str:
         t = time.perf_counter()
@@ -132,7 +132,7 @@ def main() -> None:
         finally:
             hashing[0] += time.perf_counter() - t
 
-    ckpt_files._digest_from_memory = timed_digest  # type: ignore[assignment]
+    ckpt_files.digest_from_memory = timed_digest  # type: ignore[assignment]
 
     def dcp_state() -> dict[str, Any]:
         return {"model": model.state_dict(), "optim": checkpoint.get_optimizer_state_dict(model, opt)}

@@ -9,8 +9,10 @@ into Hugging Face-style ``model.safetensors`` files. See design/checkpoint-forma
 
 from __future__ import annotations
 
-from .format import FORMAT_VERSION, CheckpointError
-from .reader import consolidate, load
+from .consolidate import consolidate
+from .errors import CheckpointError
+from .format import FORMAT_VERSION
+from .reader import load
 from .state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .format import CheckpointError
+from .errors import CheckpointError
+
+Encoded = Any  # an encoded tree: strict-JSON values and marker objects (see the module docstring)
 
 TORCH_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -28,9 +30,6 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), (
     if hasattr(torch, _name):
         TORCH_TO_ST[getattr(torch, _name)] = _code
 ST_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in TORCH_TO_ST.items()}
-
-_MARKERS = ("__tensor__", "__ndarray__", "__tuple__", "__float__", "__bytes__", "__items__")
-
 
 def st_dtype(dtype: torch.dtype, where: str) -> str:
     try:

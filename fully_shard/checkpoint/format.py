@@ -1,31 +1,35 @@
-"""Pure checkpoint format logic: index schema and validation, row planning and overlap math (no I/O, no torch).
+"""The checkpoint index schema: records for tensors, chunks, files and optimizer state, and their JSON.
 
-See design/checkpoint-format.md. A checkpoint is a directory of safetensors files plus one JSON index.
-Every tensor is cut along dim 0 into *chunks* of whole rows; a chunk is one safetensors tensor in one
-file. The index lists, per logical tensor, its dtype, global shape and the chunks that cover its rows
-exactly once. 0-dim tensors count as one row. Everything here is a pure function of plain values so it
-can be property-tested without process groups.
+See design/checkpoint-format.md sections 2-3. A checkpoint is a directory of safetensors files plus one
+JSON index. The index lists, per logical tensor, its dtype, global shape and the chunks (rows of one
+safetensors tensor in one file) that cover its rows exactly once. Parsing and validating an index is
+validate.py's job; this module only describes, serializes and seals it (no I/O, no torch).
 """
 
 from __future__ import annotations
 
-import heapq
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..layout import DimZeroLayout
+import xxhash
+
+from .errors import CheckpointError, short
+from .rows import row_numel, rows_of
 
 FORMAT_NAME = "fully_shard-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the index ends with its own digest; safetensors headers are deterministic
 INDEX_FILE = "index.json"
 DIGEST_ALGO = "xxh3_128"
+INDEX_DIGEST_KEY = "index_digest"
+# The index's last field: the xxh3_128 of every byte before this trailer, so any changed byte is caught
+# before the JSON is even parsed. The trailer's form is fixed for every format version.
+SEAL_RE = re.compile(rb',\n "index_digest": "([0-9a-f]{32})"\n}\n\Z')
 MAX_INDEX_BYTES = 256 << 20
 MAX_HEADER_BYTES = 100_000_000  # the safetensors reference implementation's own limit
-NAMESPACES = ("model", "optim", "extra")
 
 # safetensors dtype code -> bytes per element.
 DTYPE_SIZES: dict[str, int] = {
@@ -38,81 +42,9 @@ _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.safetensors$")
 DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be saved, loaded or consolidated; the message names the file/key and the fix."""
-
-
-# --------------------------------------------------------------------------------------------------
-# Row planning: which global rows a rank holds, and which of them it writes.
-# --------------------------------------------------------------------------------------------------
-
-SHARD = "shard"
-REPLICATE = "replicate"
-
-
-def rows_of(shape: Sequence[int]) -> int:
-    """Number of dim-0 rows; a 0-dim tensor is one row."""
-    return int(shape[0]) if len(shape) else 1
-
-
-def row_numel(shape: Sequence[int]) -> int:
-    return math.prod(shape[1:]) if len(shape) else 1
-
-
-def held_rows(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
-              placements: Sequence[str]) -> tuple[int, int]:
-    """[start, end) of the global rows a rank at ``coord`` holds (DTensor ``Shard(0)`` = torch.chunk).
-
-    Several ``shard`` mesh dims split the rows one after the other, left to right, as DTensor does.
-    """
-    if not (len(mesh_shape) == len(coord) == len(placements)):
-        raise ValueError(f"mesh_shape {mesh_shape}, coord {coord} and placements {placements} differ in length")
-    start, end = 0, rows_of(shape)
-    for size, c, placement in zip(mesh_shape, coord, placements):
-        if placement == SHARD:
-            if not len(shape):
-                raise ValueError("a 0-dim tensor cannot be sharded along dim 0")
-            s, e = DimZeroLayout((end - start,), size).row_range(c)
-            start, end = start + s, start + e
-        elif placement != REPLICATE:
-            raise ValueError(f"unknown placement {placement!r}")
-    return start, end
-
-
-def write_rows(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
-               placements: Sequence[str]) -> tuple[int, int]:
-    """[start, end) of the rows this rank writes: its held rows, split evenly among the replicas.
-
-    The ranks that hold the same rows (they differ only on ``replicate`` mesh dims) each write one
-    torch.chunk part of those rows, so replicated data is written exactly once and the bytes are spread
-    over all ranks. A 0-dim tensor is written by replica 0.
-    """
-    start, end = held_rows(shape, mesh_shape, coord, placements)
-    replicas, index = 1, 0
-    for size, c, placement in zip(mesh_shape, coord, placements):
-        if placement == REPLICATE:
-            replicas, index = replicas * size, index * size + c
-    s, e = DimZeroLayout((end - start,), replicas).row_range(index)
-    return start + s, start + e
-
-
-def assign_whole(sizes: Mapping[str, int], world: int) -> dict[str, int]:
-    """Balance tensors that must be written whole by one rank: largest first onto the least-loaded rank.
-
-    Deterministic in its inputs, so every rank computes the same assignment without communication.
-    """
-    heap = [(0, rank) for rank in range(world)]
-    out: dict[str, int] = {}
-    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        load, rank = heapq.heappop(heap)
-        out[name] = rank
-        heapq.heappush(heap, (load + max(sizes[name], 1), rank))
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# Index schema.
-# --------------------------------------------------------------------------------------------------
+def data_file_name(namespace: str, rank: int) -> str:
+    """The one place data files are named: ``{model,optim,extra}-rankNNNNN.safetensors``."""
+    return f"{namespace}-rank{rank:05d}.safetensors"
 
 
 @dataclass(frozen=True)
@@ -212,6 +144,7 @@ class Index:
     extra_per_rank: list[Any] | None = None
     created: dict[str, Any] = field(default_factory=dict)
     version: int = FORMAT_VERSION
+    digest: str = ""  # the index's own digest (set by parse_index): it names this generation
 
     def all_tensors(self) -> Iterable[tuple[str, str, TensorEntry]]:
         """(namespace, name, entry) for every logical tensor in the checkpoint."""
@@ -238,14 +171,17 @@ class Index:
             "extra": self.extra,
             "extra_per_rank": self.extra_per_rank,
         }
-        return _dump(doc, 0) + "\n"
+        return seal(_dump(doc, 0))
 
-    @classmethod
-    def parse(cls, text: str | bytes, source: str) -> Index:
-        """Parse and fully validate an index; raise CheckpointError naming ``source`` and the bad key."""
-        from .validate import IndexParser
 
-        return IndexParser(source).parse(text)
+def seal(text: str) -> str:
+    """``text`` (a JSON object) with the digest trailer as its last field: the form index.json has on disk."""
+    body = text.rstrip()
+    if not body.endswith("}") or body.rstrip("}").rstrip().endswith("{"):
+        raise ValueError("seal() needs a non-empty JSON object")
+    body = body[:-1].rstrip()
+    digest = xxhash.xxh3_128_hexdigest(body.encode())
+    return f'{body},\n "{INDEX_DIGEST_KEY}": "{digest}"\n}}\n'
 
 
 def _dump(value: Any, depth: int, limit: int = 2) -> str:
@@ -266,103 +202,3 @@ def check_file_name(name: Any, where: str) -> str:
             "directory (no '/', '\\', '..' or absolute paths are allowed); fix: the index is damaged or "
             "hostile, do not load it")
     return name
-
-
-def coverage_problem(rows: int, chunks: Sequence[Chunk]) -> str | None:
-    """None if ``chunks`` cover rows [0, rows) exactly once with non-empty chunks, else what is wrong."""
-    pos = 0
-    for c in sorted(chunks, key=lambda c: (c.start, c.end)):
-        if not 0 <= c.start < c.end <= rows:
-            return f"chunk rows [{c.start}, {c.end}) are empty or outside the tensor's rows [0, {rows})"
-        if c.start < pos:
-            return f"chunk rows [{c.start}, {c.end}) overlap rows already covered up to {pos}"
-        if c.start > pos:
-            return f"rows [{pos}, {c.start}) are covered by no chunk"
-        pos = c.end
-    if pos != rows:
-        return f"rows [{pos}, {rows}) are covered by no chunk"
-    return None
-
-
-def overlaps(chunks: Sequence[Chunk], start: int, end: int) -> list[tuple[Chunk, int, int]]:
-    """The parts of ``chunks`` inside global rows [start, end), as (chunk, global_start, global_end).
-
-    Read chunk rows [global_start - chunk.start, global_end - chunk.start) into target rows
-    [global_start - start, global_end - start).
-    """
-    out = []
-    for c in chunks:
-        s, e = max(c.start, start), min(c.end, end)
-        if s < e:
-            out.append((c, s, e))
-    return sorted(out, key=lambda t: t[1])
-
-
-# --------------------------------------------------------------------------------------------------
-# Structure diffs and consolidation planning.
-# --------------------------------------------------------------------------------------------------
-
-
-def structure_diff(expected: Mapping[str, tuple[str, tuple[int, ...]]],
-                   found: Mapping[str, tuple[str, tuple[int, ...]]]) -> tuple[list[str], list[str], list[str]]:
-    """(missing, unexpected, mismatched) names; mismatched lines show expected vs found dtype[shape]."""
-    missing = sorted(set(expected) - set(found))
-    unexpected = sorted(set(found) - set(expected))
-    mismatched = []
-    for name in expected:
-        if name in found and expected[name] != found[name]:
-            mismatched.append(f"{name}: expected {_sig(expected[name])}, found {_sig(found[name])}")
-    return missing, unexpected, mismatched
-
-
-def format_diff(title: str, missing: Sequence[str], unexpected: Sequence[str], mismatched: Sequence[str],
-                fix: str, limit: int = 20) -> str:
-    lines = [title]
-    for label, items in (("missing in checkpoint (expected by the model)", missing),
-                         ("unexpected in checkpoint (not in the model)", unexpected),
-                         ("dtype/shape differs", mismatched)):
-        if items:
-            lines.append(f"  {label}: {len(items)}")
-            lines += [f"    - {item}" for item in items[:limit]]
-            if len(items) > limit:
-                lines.append(f"    ... and {len(items) - limit} more")
-    lines.append(f"  fix: {fix}")
-    return "\n".join(lines)
-
-
-def _sig(sig: tuple[str, tuple[int, ...]]) -> str:
-    return f"{sig[0]}{list(sig[1])}"
-
-
-def plan_output_shards(sizes: Sequence[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
-    """Group tensors, in order, into output files of at most ``max_shard_bytes`` each.
-
-    A tensor larger than the limit gets a file of its own (it cannot be split across files).
-    """
-    if max_shard_bytes < 1:
-        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
-    groups: list[list[str]] = []
-    current: list[str] = []
-    used = 0
-    for name, size in sizes:
-        if current and used + size > max_shard_bytes:
-            groups.append(current)
-            current, used = [], 0
-        current.append(name)
-        used += size
-    if current or not groups:
-        groups.append(current)
-    return groups
-
-
-def series_key(name: str) -> tuple[str, tuple[int, ...]] | None:
-    """(pattern, numbers) for retention: 'step-000300' -> ('step-#', (300,)); None without digits."""
-    numbers = tuple(int(n) for n in re.findall(r"\d+", name))
-    if not numbers:
-        return None
-    return re.sub(r"\d+", "#", name), numbers
-
-
-def short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,42 +1,41 @@
-"""checkpoint.load and checkpoint.consolidate: verify first, then read only the rows each rank needs.
+"""checkpoint.load: open one generation, check everything, then copy; a failed load leaves model and optimizer as they were.
 
-load phases (each ends in a collective agreement, so bad input raises the same error on every rank):
-1. index: rank 0 restores an interrupted commit if needed and reads index.json; all ranks validate it.
-2. match: the model's (and optimizer's) keys, dtypes and shapes against the index; plan the reads.
-3. verify: files' sizes and safetensors headers for the files this rank reads, plus the xxh3 digest of
-   the files assigned to this rank (each file is hashed by exactly one rank).
-4. read: ``safe_open`` + ``get_slice`` (memory-mapped) of the needed rows, copied into the tensors.
+Phases (each runs inside ``comm.phase``, so bad input raises the same error on every rank):
+1. opening: each rank opens the directory once and reads index.json (its digest checked first), matches
+   the model and optimizer against it, plans its reads and opens every data file it needs through the
+   directory's descriptor. The ranks agree on the index digest (one generation), the model structure,
+   whether an optimizer was passed, and the flags.
+2. verifying and decoding: headers, each file's own records against the index, digests of this rank's
+   share; optimizer state and ``extra`` tensors read into fresh memory, ``extra`` and hyperparameters
+   decoded, the optimizer's state dict built and checked, still without touching model or optimizer.
+3. applying: each rank's rows copied into its local shards (only an I/O error can fail here), then
+   ``Optimizer.load_state_dict`` of the dict built in 2.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
+import datetime
 import os
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from . import files
 from . import format as fmt
-from .codec import ST_TO_TORCH, decode
+from .codec import ST_TO_TORCH, Encoded, decode, tensor_refs
 from .comm import Comm
-from .format import CheckpointError
-from .state_dict import (
-    from_local_like,
-    held_like,
-    load_optimizer_state,
-    model_views,
-    optimizer_params,
-    state_is_sharded,
-)
+from .errors import CheckpointError, Signature, format_diff, structure_diff
+from .rows import overlaps
+from .snapshot import Snapshot, Vanished
+from .state_dict import torch_optimizer_state
+from .views import from_local_like, held_like, model_views, optimizer_params, state_is_sharded
 from .writer import wait_pending
+
+_OPEN_ATTEMPTS = 3  # a writer may delete the generation we opened before we opened its files
 
 
 @dataclass
@@ -45,68 +44,57 @@ class _Read:
     key: str
     src: tuple[int, int]  # rows of the stored chunk tensor
     dst: torch.Tensor  # where they go (a view of the target)
-    scalar: bool
 
 
-def read_index(path: str, restore: bool = True) -> str:
-    """The text of ``path``/index.json, with clear errors for paths that are not checkpoints."""
-    if restore and not os.path.exists(path):
-        files.recover(path, cleanup=False)
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path}: no such checkpoint directory; fix: check the path (checkpoints exist only "
-                              "after save() returned / handle.wait() committed them)")
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path} is a file, not a checkpoint directory; fix: pass the directory that "
-                              f"holds {fmt.INDEX_FILE}")
-    index_path = os.path.join(path, fmt.INDEX_FILE)
-    if not os.path.isfile(index_path):
-        listing = sorted(os.listdir(path))
-        hint = ""
-        if "model.safetensors" in listing or "model.safetensors.index.json" in listing:
-            hint = " It looks like a Hugging Face model directory: read it with safetensors.torch.load_file and " \
-                   "set_model_state_dict(model, sd, full=True)."
-        elif ".metadata" in listing:
-            hint = " It looks like a torch.distributed.checkpoint directory: use torch.distributed.checkpoint.load."
-        raise CheckpointError(f"{path} is not a fully_shard checkpoint: it has no {fmt.INDEX_FILE} (found "
-                              f"{listing[:10]}{' ...' if len(listing) > 10 else ''}). An interrupted save never "
-                              f"leaves an index.{hint} fix: pass a committed checkpoint directory")
-    size = os.path.getsize(index_path)
-    if size > fmt.MAX_INDEX_BYTES:
-        raise CheckpointError(f"{index_path}: {size} bytes, more than the {fmt.MAX_INDEX_BYTES} allowed; fix: the "
-                              "index is damaged")
-    with open(index_path, "rb") as f:
-        return f.read().decode("utf-8", errors="replace")
+@dataclass
+class _OptimLocal:
+    """An optimizer state tensor read into fresh memory, before it is handed to the optimizer."""
 
+    local: torch.Tensor
+    param: torch.Tensor
+    sharded: bool  # a DTensor laid out like ``param``
+    shape: tuple[int, ...]
 
-def _sig(dtype: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
-    return dtype, tuple(shape)
+    def value(self) -> torch.Tensor:
+        if self.sharded and isinstance(self.param, DTensor):
+            return from_local_like(self.param, self.local, self.shape)
+        return self.local
 
 
 class _Loader:
-    def __init__(self, comm: Comm, path: str, index: fmt.Index) -> None:
-        self.comm, self.path, self.index = comm, path, index
-        self.reads: list[_Read] = []
-        self.optim_locals: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, bool, tuple[int, ...]]] = {}
+    def __init__(self, comm: Comm, snapshot: Snapshot) -> None:
+        self.comm, self.snap, self.index = comm, snapshot, snapshot.index
+        self.model_reads: list[_Read] = []
+        self.side_reads: list[_Read] = []  # optimizer state and blobs: fresh memory, read before the model
+        self.optim_locals: dict[tuple[str, str], _OptimLocal] = {}
+        self.blobs: dict[str, torch.Tensor] = {}
+        self.structure: dict[str, Signature] = {}
+        self.digests: set[str] = set()  # the files this rank hashes
 
-    def add(self, entry: fmt.TensorEntry, held: tuple[int, int], dst: torch.Tensor) -> None:
+    @property
+    def where(self) -> str:
+        return os.path.join(self.snap.path, fmt.INDEX_FILE)
+
+    def add(self, reads: list[_Read], entry: fmt.TensorEntry, held: tuple[int, int], dst: torch.Tensor) -> None:
         scalar = not entry.shape
-        for chunk, s, e in fmt.overlaps(entry.chunks, *held):
+        for chunk, s, e in overlaps(entry.chunks, *held):
             view = dst if scalar else dst[s - held[0]: e - held[0]]
-            self.reads.append(_Read(chunk.file, chunk.key, (s - chunk.start, e - chunk.start), view, scalar))
+            reads.append(_Read(chunk.file, chunk.key, (s - chunk.start, e - chunk.start), view))
 
     def plan_model(self, model: nn.Module, strict: bool) -> None:
         views, aliases = model_views(model)
         index = self.index
-        found = {n: _sig(e.dtype, e.shape) for n, e in index.model.items()}
+        found = {n: (e.dtype, e.shape) for n, e in index.model.items()}
         found.update({a: found[t] for a, t in index.aliases.items()})
-        expected = {v.name: _sig(v.dtype, v.shape) for v in views}
+        expected = {v.name: (v.dtype, v.shape) for v in views}
         expected.update({a: expected[t] for a, t in aliases.items()})
-        missing, unexpected, mismatched = fmt.structure_diff(expected, found)
+        self.structure = expected
+        missing, unexpected, mismatched = structure_diff(expected, found)
         if not strict:
             missing, unexpected = [], []
         if missing or unexpected or mismatched:
-            raise CheckpointError(fmt.format_diff(
-                f"checkpoint {self.path} does not match the model:", missing, unexpected, mismatched,
+            raise CheckpointError(format_diff(
+                f"checkpoint {self.snap.path} does not match the model:", missing, unexpected, mismatched,
                 "load the checkpoint into the model it was saved from (same architecture and dtypes); "
                 "strict=False skips missing/unexpected keys but never dtype/shape differences"))
         names_by_view: dict[str, list[str]] = defaultdict(list)
@@ -114,17 +102,15 @@ class _Loader:
             names_by_view[t].append(a)
         for v in views:
             source = next((n for n in [v.name, *names_by_view[v.name]] if n in found), None)
-            if source is None:
-                continue
-            stored = index.aliases.get(source, source)
-            self.add(index.model[stored], v.held, v.local)
+            if source is not None:
+                self.add(self.model_reads, index.model[index.aliases.get(source, source)], v.held, v.local)
 
     def plan_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer, strict: bool) -> None:
         saved = self.index.optimizer
         if saved is None:
             if strict:
-                raise CheckpointError(f"checkpoint {self.path} has no optimizer state, but an optimizer was passed; "
-                                      "fix: pass optimizer=None, or strict=False to keep the optimizer as it is")
+                raise CheckpointError(f"checkpoint {self.snap.path} has no optimizer state, but an optimizer was "
+                                      "passed; fix: pass optimizer=None, or strict=False to keep the optimizer as it is")
             return
         params = {fqn: p for g in optimizer_params(model, optimizer) for fqn, p in g}
         for fqn, names in saved.state.items():
@@ -135,78 +121,80 @@ class _Loader:
             for name, value in names.items():
                 if not isinstance(value, fmt.TensorEntry):
                     continue
-                dtype = ST_TO_TORCH[value.dtype]
                 sharded = state_is_sharded(p, name, value.shape, (fqn, name) in saved.sharded, existing.get(name))
                 if sharded and isinstance(p, DTensor) and value.shape:
-                    held = held_like(p, value.shape)
-                    device = p.to_local().device
+                    held, device = held_like(p, value.shape), p.to_local().device
                 else:
                     held, device = (0, value.rows), torch.device("cpu")
                 local_shape = value.shape if not value.shape else (held[1] - held[0], *value.shape[1:])
-                local = torch.empty(local_shape, dtype=dtype, device=device)
-                self.optim_locals[(fqn, name)] = (local, p, sharded and isinstance(p, DTensor), value.shape)
-                self.add(value, held, local)
+                local = torch.empty(local_shape, dtype=ST_TO_TORCH[value.dtype], device=device)
+                self.optim_locals[(fqn, name)] = _OptimLocal(local, p, sharded and isinstance(p, DTensor), value.shape)
+                self.add(self.side_reads, value, held, local)
 
-    def used_files(self, namespaces: set[str]) -> set[str]:
-        return {c.file for ns, _, e in self.index.all_tensors() if ns in namespaces for c in e.chunks}
+    def encoded_trees(self, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, Encoded]]:
+        """(where, tree) of every encoded value this rank decodes: its extra, hyperparameters, values."""
+        trees: list[tuple[str, Encoded]] = [("extra", self.extra_tree())]
+        saved = self.index.optimizer
+        if optimizer is not None and saved is not None:
+            trees += [(f"optimizer.param_groups[{i}]", {k: v for k, v in g.items() if k != "params"})
+                      for i, g in enumerate(saved.param_groups)]
+            trees += [(f"optimizer.state[{fqn!r}][{n!r}]", v.value) for fqn, names in saved.state.items()
+                      for n, v in names.items() if isinstance(v, fmt.Value)]
+        return trees
 
-    def check_files(self, reads: set[str], digests: set[str]) -> None:
-        """Size + header (+ chunk dtype/shape) of ``reads | digests``; xxh3 digest of ``digests``."""
-        chunks_by_file: dict[str, list[tuple[str, fmt.TensorEntry, fmt.Chunk]]] = defaultdict(list)
-        for _ns, name, entry in self.index.all_tensors():
-            for c in entry.chunks:
-                chunks_by_file[c.file].append((name, entry, c))
-        for name in sorted(reads | digests):
-            rec = self.index.files[name]
-            full = os.path.join(self.path, name)
-            where = f"{full}"
-            header = files.read_header(full, rec.size, where)
-            for tname, entry, c in chunks_by_file[name]:
-                t = header.tensors.get(c.key)
-                want = {"dtype": entry.dtype, "shape": list(entry.chunk_shape(c))}
-                if t is None or t["dtype"] != want["dtype"] or t["shape"] != want["shape"]:
-                    found = None if t is None else {"dtype": t["dtype"], "shape": t["shape"]}
-                    raise CheckpointError(f"{where}: tensor {c.key!r} (rows {c.start}:{c.end} of {tname!r}) should be "
-                                          f"{want}, found {found}; fix: the file does not belong to this index "
-                                          "(mixed checkpoints?) or is damaged")
-            if name in digests:
-                digest = files.digest_file(full)
-                if digest != rec.digest:
-                    raise CheckpointError(f"{where}: content digest {digest} differs from {rec.digest} recorded in "
-                                          f"{fmt.INDEX_FILE} (xxh3_128): the file was modified or corrupted after "
-                                          "the save; fix: restore it or load an earlier checkpoint "
-                                          "(verify=False skips this check, not recommended)")
+    def plan_blobs(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Every tensor the encoded trees refer to must be a blob; plan reading each into fresh memory."""
+        for where, tree in self.encoded_trees(optimizer):
+            for name in tensor_refs(tree):
+                entry = self.index.blobs.get(name) if isinstance(name, str) else None
+                if entry is None:
+                    raise CheckpointError(f"{self.where}: {where} refers to tensor {name!r}, which is not under "
+                                          "'blobs'; fix: the index is damaged")
+                if name not in self.blobs:
+                    self.blobs[name] = torch.empty(entry.shape, dtype=ST_TO_TORCH[entry.dtype])
+                    self.add(self.side_reads, entry, (0, entry.rows), self.blobs[name])
 
-    def run_reads(self) -> None:
+    def extra_tree(self) -> Encoded:
+        index = self.index
+        if index.extra_per_rank is None:
+            return index.extra
+        if index.world_size == self.comm.world:
+            return index.extra_per_rank[self.comm.rank]
+        return index.extra
+
+    def digest_share(self, namespaces: set[str]) -> set[str]:
+        """The files this rank hashes: each used file by exactly one rank (its saving rank modulo W)."""
+        used = {c.file for ns, _, e in self.index.all_tensors() if ns in namespaces for c in e.chunks}
+        return {n for n in used if self.index.files[n].rank % self.comm.world == self.comm.rank}
+
+    def check_files(self) -> None:
+        stored = self.snap.stored_by_file()
+        for name in sorted(self.snap.files):
+            self.snap.check(name, stored[name])
+            if name in self.digests:
+                self.snap.verify_digest(name)
+
+    def run(self, reads: list[_Read]) -> None:
         by_file: dict[str, list[_Read]] = defaultdict(list)
-        for r in self.reads:
+        for r in reads:
             by_file[r.file].append(r)
         with torch.no_grad():
-            for name, reads in sorted(by_file.items()):
-                full = os.path.join(self.path, name)
+            for name, file_reads in sorted(by_file.items()):
+                f = self.snap.files[name]
                 try:
-                    with safe_open(full, framework="pt", device="cpu") as f:
-                        for r in reads:
-                            if r.scalar:
-                                r.dst.copy_(f.get_tensor(r.key))
-                            else:
-                                r.dst.copy_(f.get_slice(r.key)[r.src[0]: r.src[1]])
+                    for r in file_reads:
+                        f.read_rows(r.key, r.src[0], r.src[1], r.dst)
                 except CheckpointError:
                     raise
                 except Exception as e:
-                    raise CheckpointError(f"{full}: reading failed ({type(e).__name__}: {e})") from e
+                    raise CheckpointError(f"{f.where}: reading failed ({type(e).__name__}: {e})") from e
 
-    def blob(self, name: str) -> torch.Tensor:
-        entry = self.index.blobs.get(name)
-        if entry is None:
-            raise CheckpointError(f"{self.path}/{fmt.INDEX_FILE}: refers to tensor {name!r}, which is not under "
-                                  "'blobs'; fix: the index is damaged")
-        out = torch.empty(entry.shape, dtype=ST_TO_TORCH[entry.dtype])
-        saved, self.reads = self.reads, []
-        self.add(entry, (0, entry.rows), out)
-        self.run_reads()
-        self.reads = saved
-        return out
+    def decode(self, where: str, tree: Encoded) -> Any:
+        try:
+            return decode(tree, self.blobs.__getitem__)
+        except Exception as e:
+            raise CheckpointError(f"{self.where}: {where}: cannot decode ({type(e).__name__}: {e}); fix: the index "
+                                  "is damaged") from None
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         saved = self.index.optimizer
@@ -215,137 +203,82 @@ class _Loader:
         for fqn, names in saved.state.items():
             for name, value in names.items():
                 if isinstance(value, fmt.Value):
-                    state.setdefault(fqn, {})[name] = decode(value.value, self.blob)
+                    state.setdefault(fqn, {})[name] = self.decode(f"optimizer.state[{fqn!r}][{name!r}]", value.value)
                 elif (fqn, name) in self.optim_locals:
-                    local, p, sharded, shape = self.optim_locals[(fqn, name)]
-                    state.setdefault(fqn, {})[name] = from_local_like(p, local, shape) if sharded else local  # type: ignore[arg-type]
-        groups = [{**decode({k: v for k, v in g.items() if k != "params"}, self.blob), "params": g["params"]}
-                  for g in saved.param_groups]
+                    state.setdefault(fqn, {})[name] = self.optim_locals[(fqn, name)].value()
+        groups = [{**self.decode(f"optimizer.param_groups[{i}]", {k: v for k, v in g.items() if k != "params"}),
+                   "params": g["params"]} for i, g in enumerate(saved.param_groups)]
         return {"state": state, "param_groups": groups}
 
     def extra(self) -> Any:
         index = self.index
-        if index.extra_per_rank is None:
-            return decode(index.extra, self.blob)
-        if index.world_size == self.comm.world:
-            return decode(index.extra_per_rank[self.comm.rank], self.blob)
-        import warnings
+        if index.extra_per_rank is not None and index.world_size != self.comm.world:
+            warnings.warn(f"checkpoint {self.snap.path}: `extra` differed between the {index.world_size} saving "
+                          f"ranks, and it is loaded on {self.comm.world} ranks: every rank gets rank 0's extra state",
+                          stacklevel=4)
+        return self.decode("extra", self.extra_tree())
 
-        warnings.warn(f"checkpoint {self.path}: `extra` differed between the {index.world_size} saving ranks, and "
-                      f"it is loaded on {self.comm.world} ranks: every rank gets rank 0's extra state",
-                      stacklevel=3)
-        return decode(index.extra, self.blob)
+
+def _open(comm: Comm, path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool,
+          verify: bool) -> _Loader:
+    """Phase 1 on this rank: one generation opened, matched and planned (retried if it vanished)."""
+    for attempt in range(_OPEN_ATTEMPTS):
+        snapshot = Snapshot(path)
+        try:
+            loader = _Loader(comm, snapshot)
+            loader.plan_model(model, strict)
+            if optimizer is not None:
+                loader.plan_optimizer(model, optimizer, strict)
+            loader.plan_blobs(optimizer)
+            namespaces = {"model", "extra"} | ({"optim"} if optimizer is not None else set())
+            loader.digests = loader.digest_share(namespaces) if verify else set()
+            snapshot.open({r.file for r in loader.model_reads + loader.side_reads} | loader.digests)
+            return loader
+        except Vanished:
+            snapshot.close()
+            if attempt + 1 == _OPEN_ATTEMPTS:
+                raise
+        except BaseException:
+            snapshot.close()
+            raise
+    raise AssertionError("unreachable")
 
 
 def load(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         strict: bool = True, verify: bool = True) -> Any:
+         strict: bool = True, verify: bool = True, timeout: datetime.timedelta | float | None = None) -> Any:
     """Load a checkpoint saved at any world size/mesh into ``model`` (+ ``optimizer``); returns ``extra``.
 
     Collective when a process group is initialized; also works in a plain single process and into an
-    unsharded module. Nothing is copied into the model before the index, the structure, every file's
-    size/header and (``verify=True``) content digest have been checked on all ranks.
+    unsharded module. Nothing is copied into the model or optimizer before the index, the structure,
+    every file's header and records, ``extra`` and (``verify=True``) every content digest have been
+    checked on all ranks. ``load`` never modifies the checkpoint directory. ``timeout`` (seconds or a
+    timedelta, default 5 minutes) bounds how long a rank waits for the others at each phase.
     """
     wait_pending()
-    comm = Comm()
+    comm = Comm(timeout)
     path = os.path.abspath(os.fspath(path))
     what = f"checkpoint.load({path!r})"
-    text: str | None = None
-    error: BaseException | None = None
-    if comm.rank == 0:
-        try:
-            text = read_index(path)
-        except BaseException as e:
-            error = e
-    comm.agree(error, f"{what}: reading the index")
-    text = comm.broadcast_json(text)
-    assert text is not None
+    facts: dict[str, Any] = {"optimizer passed": optimizer is not None, "strict, verify": [strict, verify]}
     loader: _Loader | None = None
     try:
-        loader = _Loader(comm, path, fmt.Index.parse(text, os.path.join(path, fmt.INDEX_FILE)))
-        loader.plan_model(model, strict)
-        if optimizer is not None:
-            loader.plan_optimizer(model, optimizer, strict)
-    except BaseException as e:
-        error = e
-    comm.agree(error, f"{what}: matching the model")
-    assert loader is not None
-    try:
-        used = loader.used_files({"model", "extra"} | ({"optim"} if optimizer is not None else set()))
-        mine = {n for n in used if loader.index.files[n].rank % comm.world == comm.rank} if verify else set()
-        loader.check_files({r.file for r in loader.reads}, mine)
-    except BaseException as e:
-        error = e
-    comm.agree(error, f"{what}: verifying files")
-    try:
-        loader.run_reads()
-    except BaseException as e:
-        error = e
-    comm.agree(error, f"{what}: reading (the model may be partially loaded)")
-    result: Any = None
-    try:
-        if optimizer is not None and loader.index.optimizer is not None:
-            load_optimizer_state(model, optimizer, loader.optimizer_state_dict(), strict,
-                                 loader.index.optimizer.sharded, copy=False)
-        result = loader.extra()
-    except BaseException as e:
-        error = e
-    comm.agree(error, f"{what}: loading optimizer state and extra")
+        with comm.phase(f"{what}: opening", facts=facts):
+            loader = _open(comm, path, model, optimizer, strict, verify)
+            facts["index digest (generation)"] = loader.index.digest
+            facts["model structure"] = {k: [d, list(s)] for k, (d, s) in sorted(loader.structure.items())}
+        prepared: dict[str, Any] | None = None
+        with comm.phase(f"{what}: verifying files, decoding optimizer state and extra"):
+            loader.check_files()
+            loader.run(loader.side_reads)
+            if optimizer is not None and loader.index.optimizer is not None:
+                prepared = torch_optimizer_state(model, optimizer, loader.optimizer_state_dict(), strict,
+                                                 loader.index.optimizer.sharded, copy=False)
+            result = loader.extra()
+        with comm.phase(f"{what}: reading the model and loading the optimizer state (after every check passed: "
+                        "only an I/O error can fail here, and it can leave the model partially loaded)"):
+            loader.run(loader.model_reads)
+            if optimizer is not None and prepared is not None:
+                optimizer.load_state_dict(prepared)
+    finally:
+        if loader is not None:
+            loader.snap.close()
     return result
-
-
-def consolidate(path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
-                max_shard_bytes: int = 5_000_000_000, verify: bool = True) -> list[str]:
-    """Write the model weights as Hugging Face-style safetensors (single process, bounded memory).
-
-    Produces ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``
-    when the weights exceed ``max_shard_bytes``; full tensors under their original names, readable by
-    ``safetensors.torch.load_file`` and ``transformers``. At most one output file's tensors (about
-    ``max_shard_bytes``, or one larger tensor) are in memory at a time. Returns the written paths.
-    """
-    path = os.path.abspath(os.fspath(path))
-    out = os.path.abspath(os.fspath(out_dir))
-    index = fmt.Index.parse(read_index(path), os.path.join(path, fmt.INDEX_FILE))
-    loader = _Loader(Comm.single(), path, index)
-    names = list(index.model) + list(index.aliases)
-    model_files = loader.used_files({"model"})
-    loader.check_files(model_files, model_files if verify else set())
-    groups = fmt.plan_output_shards([(n, index.model[index.aliases.get(n, n)].nbytes) for n in names],
-                                    max_shard_bytes)
-    os.makedirs(out, exist_ok=True)
-    targets = ["model.safetensors"] if len(groups) == 1 else [
-        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    written = []
-    weight_map: dict[str, str] = {}
-    total = 0
-    for target, group in zip(targets, groups):
-        tensors = {}
-        for name in group:
-            entry = index.model[index.aliases.get(name, name)]
-            tensors[name] = torch.empty(entry.shape, dtype=ST_TO_TORCH[entry.dtype])
-            loader.add(entry, (0, entry.rows), tensors[name])
-            weight_map[name] = target
-            total += entry.nbytes
-        loader.run_reads()
-        loader.reads = []
-        tmp = os.path.join(out, f".{target}.tmp")
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        files.fsync_path(tmp)
-        written.append((tmp, os.path.join(out, target)))
-        del tensors
-    stale = [n for n in os.listdir(out) if n == "model.safetensors.index.json" or n == "model.safetensors"
-             or (n.startswith("model-") and n.endswith(".safetensors"))]
-    for n in stale:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(out, n))
-    for tmp, final in written:
-        os.rename(tmp, final)
-    results = [final for _, final in written]
-    if len(groups) > 1:
-        index_path = os.path.join(out, "model.safetensors.index.json")
-        with open(index_path, "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        results.append(index_path)
-    files.fsync_path(out, directory=True)
-    return results

@@ -4,173 +4,22 @@ The sharded form is what the model and optimizer hold (DTensors sharded along di
 buffers and unmanaged parameters) and costs no communication. The full form gathers one tensor at a
 time (bounded memory), optionally to CPU and optionally kept on rank 0 only. Optimizer state is keyed by
 the parameter's FQN instead of torch's integer ids, so it survives re-wrapping and re-sharding.
-This module also describes, for the checkpoint writer and reader, which global rows of every tensor a
-rank holds and which it writes (see format.held_rows / format.write_rows).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
-from . import format as fmt
 from .codec import ST_TO_TORCH, Encoder, decode, st_dtype
 from .comm import Comm
-from .format import CheckpointError
+from .errors import CheckpointError, Signature, format_diff, structure_diff
+from .views import View, describe, ensure_sharded, group_hyper, optimizer_params, shard_like, state_is_sharded
 
 OptimStateDict = dict[str, Any]  # {"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn]}]}
-
-
-@dataclass
-class View:
-    """One logical tensor as seen by this rank: its global signature and the rows it holds/writes."""
-
-    name: str
-    tensor: torch.Tensor  # as held by the model/optimizer (DTensor or plain)
-    local: torch.Tensor  # this rank's held rows, a plain tensor sharing storage with ``tensor``
-    dtype: str
-    shape: tuple[int, ...]
-    held: tuple[int, int]
-    write: tuple[int, int] | None  # rows this rank writes; None: written whole by one assigned rank
-
-    @property
-    def sharded(self) -> bool:
-        return isinstance(self.tensor, DTensor)
-
-    def rows(self, start: int, end: int) -> torch.Tensor:
-        """The held rows [start, end) (global indices) as a view of ``local``."""
-        if not self.shape:
-            return self.local
-        return self.local[start - self.held[0]: end - self.held[0]]
-
-
-def _placements(name: str, tensor: DTensor) -> list[str]:
-    out = []
-    for p in tensor.placements:
-        if type(p) is Shard and p.dim == 0 and tensor.ndim > 0:
-            out.append(fmt.SHARD)
-        elif isinstance(p, Replicate):
-            out.append(fmt.REPLICATE)
-        else:
-            raise CheckpointError(
-                f"{name}: DTensor placement {p} (all placements {tuple(tensor.placements)}) is not supported; "
-                "checkpoints handle Shard(0) and Replicate() placements (fully_shard's default); fix: shard "
-                "this unit without a shard_placement_fn that picks another dim, or redistribute the tensor to "
-                "Shard(0)/Replicate() before saving")
-    return out
-
-
-def describe(name: str, tensor: torch.Tensor) -> View:
-    """Where ``tensor``'s rows live on this rank. Plain tensors are held whole by every rank."""
-    dtype = st_dtype(tensor.dtype, name)
-    shape = tuple(tensor.shape)
-    if isinstance(tensor, DTensor):
-        mesh = tensor.device_mesh
-        coord = mesh.get_coordinate()
-        if coord is None:
-            raise CheckpointError(f"{name}: this rank is not part of the tensor's device mesh {mesh}; fix: call "
-                                  "checkpoint functions on the ranks of the model's mesh")
-        placements = _placements(name, tensor)
-        mesh_shape = tuple(mesh.shape)
-        held = fmt.held_rows(shape, mesh_shape, coord, placements)
-        write = fmt.write_rows(shape, mesh_shape, coord, placements)
-        local = tensor.to_local()
-        expected = () if not shape else (held[1] - held[0], *shape[1:])
-        if tuple(local.shape) != expected:
-            raise CheckpointError(
-                f"{name}: local shard has shape {tuple(local.shape)}, but a torch.chunk Shard(0) layout of global "
-                f"shape {shape} on mesh {mesh_shape} at {tuple(coord)} gives {expected}; fix: shard with "
-                "torch.chunk semantics (unpadded local shards)")
-        return View(name, tensor, local, dtype, shape, held, write)
-    return View(name, tensor, tensor.detach(), dtype, shape, (0, fmt.rows_of(shape)), None)
-
-
-def ensure_sharded(model: nn.Module) -> None:
-    """Register every fully_shard unit's sharded DTensors (a unit left unsharded, e.g. after a forward
-    with reshard_after_forward=False, would otherwise show plain full tensors in its state_dict)."""
-    from ..module import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-
-
-def model_views(model: nn.Module) -> tuple[list[View], dict[str, str]]:
-    """Views of every state_dict entry (shared tensors once) and {alias fqn: stored fqn}."""
-    ensure_sharded(model)
-    views: list[View] = []
-    aliases: dict[str, str] = {}
-    seen: dict[int, str] = {}
-    for fqn, tensor in model.state_dict(keep_vars=True).items():
-        if not isinstance(tensor, torch.Tensor):
-            raise CheckpointError(f"model state_dict entry {fqn!r} is a {type(tensor).__name__}, not a tensor; "
-                                  "checkpoints store tensors only; fix: keep such state in `extra`")
-        if id(tensor) in seen:
-            aliases[fqn] = seen[id(tensor)]
-            continue
-        seen[id(tensor)] = fqn
-        views.append(describe(fqn, tensor))
-    return views, aliases
-
-
-def param_fqns(model: nn.Module) -> dict[int, str]:
-    return {id(p): fqn for fqn, p in model.named_parameters()}
-
-
-def optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[tuple[str, torch.Tensor]]]:
-    """[(fqn, param)] per param group; every optimizer parameter must belong to ``model``."""
-    ensure_sharded(model)
-    fqns = param_fqns(model)
-    groups = []
-    for i, group in enumerate(optimizer.param_groups):
-        entries = []
-        for p in group["params"]:
-            if id(p) not in fqns:
-                raise CheckpointError(
-                    f"optimizer param_groups[{i}] holds a parameter of shape {tuple(p.shape)} that is not a "
-                    "parameter of the model; optimizer state is keyed by the model's parameter names; fix: build "
-                    "the optimizer from model.parameters() after wrapping the model")
-            entries.append((fqns[id(p)], p))
-        groups.append(entries)
-    return groups
-
-
-def group_hyper(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
-
-
-def state_is_sharded(param: torch.Tensor, name: str, shape: tuple[int, ...], saved_sharded: bool | None,
-                     existing: Any) -> bool:
-    """Whether an optimizer state tensor should be a DTensor laid out like its parameter.
-
-    Decided by the state the optimizer already holds if any, else by how it was saved, else by shape
-    (``step`` counters stay plain tensors, as torch optimizers create them).
-    """
-    if not isinstance(param, DTensor) or shape != tuple(param.shape):
-        return False
-    if isinstance(existing, torch.Tensor):
-        return isinstance(existing, DTensor)
-    if saved_sharded is not None:
-        return saved_sharded
-    return name != "step"
-
-
-def shard_like(param: DTensor, full: torch.Tensor) -> DTensor:
-    """Cut this rank's rows of ``full`` (a plain tensor of param's global shape) into a DTensor like ``param``."""
-    view = describe("param", param)
-    local = full if not view.shape else full[view.held[0]: view.held[1]]
-    local = local.detach().to(device=view.local.device, copy=True).contiguous()  # never alias the caller's
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
-
-
-# --------------------------------------------------------------------------------------------------
-# Public state dict API.
-# --------------------------------------------------------------------------------------------------
 
 
 def _gather(value: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
@@ -212,25 +61,24 @@ def get_model_state_dict(model: nn.Module, *, full: bool = False, cpu_offload: b
     return out
 
 
-def _signature(tensor: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+def _signature(tensor: torch.Tensor) -> Signature:
     return str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape)
 
 
-def _check_structure(comm: Comm, expected: dict[str, tuple[str, tuple[int, ...]]],
-                     found: dict[str, tuple[str, tuple[int, ...]]] | None, strict: bool, what: str,
-                     check_dtype: bool) -> None:
-    error: CheckpointError | None = None
-    if found is not None:
+def _check_structure(comm: Comm, expected: dict[str, Signature], found: dict[str, Signature] | None, strict: bool,
+                     what: str, check_dtype: bool) -> None:
+    with comm.phase(what):
+        if found is None:
+            return
         if not check_dtype:
             found = {k: (expected[k][0] if k in expected else v[0], v[1]) for k, v in found.items()}
-        missing, unexpected, mismatched = fmt.structure_diff(expected, found)
+        missing, unexpected, mismatched = structure_diff(expected, found)
         if not strict:
             missing, unexpected = [], []
         if missing or unexpected or mismatched:
-            error = CheckpointError(fmt.format_diff(
+            raise CheckpointError(format_diff(
                 f"{what} does not match the model:", missing, unexpected, mismatched,
                 "pass a state dict of this model (strict=False ignores missing/unexpected keys, not shapes)"))
-    comm.agree(error, what)
 
 
 def set_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], *, full: bool = False,
@@ -303,20 +151,6 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
     return {"state": state, "param_groups": groups} if keep else {}
 
 
-def held_like(param: DTensor, shape: tuple[int, ...]) -> tuple[int, int]:
-    """Rows of a tensor of global ``shape`` this rank holds when laid out like ``param``."""
-    coord = param.device_mesh.get_coordinate()
-    if coord is None:
-        raise CheckpointError("this rank is not part of the parameter's device mesh")
-    return fmt.held_rows(shape, tuple(param.device_mesh.shape), coord, _placements("param", param))
-
-
-def from_local_like(param: DTensor, local: torch.Tensor, shape: tuple[int, ...]) -> DTensor:
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                              shape=torch.Size(shape), stride=stride)
-
-
 def _group_problem(saved: list[list[str]], current: list[list[str]]) -> str | None:
     if [set(g) for g in saved] == [set(g) for g in current]:
         return None
@@ -337,6 +171,26 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, osd
     With ``copy`` the optimizer gets private copies (torch's load_state_dict would keep references, so
     two optimizers loaded from one dict would silently share and corrupt each other's moments).
     """
+    optimizer.load_state_dict(torch_optimizer_state(model, optimizer, osd, strict, saved_sharded, copy))
+
+
+def _state_problem(groups: list[list[tuple[str, torch.Tensor]]], optimizer: torch.optim.Optimizer,
+                   osd: OptimStateDict) -> str | None:
+    """Under strict: a parameter whose optimizer already has state must get the same state names."""
+    saved = osd.get("state", {})
+    for entries in groups:
+        for fqn, p in entries:
+            existing = sorted(optimizer.state.get(p, {}))
+            if existing and saved and sorted(saved.get(fqn, {})) != existing:
+                return (f"  {fqn}: the optimizer holds state {existing}, the saved state has "
+                        f"{sorted(saved.get(fqn, {}))}")
+    return None
+
+
+def torch_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, osd: OptimStateDict,
+                          strict: bool = True, saved_sharded: set[tuple[str, str]] | None = None,
+                          copy: bool = True) -> dict[str, Any]:
+    """The checked, id-keyed state dict that ``optimizer.load_state_dict`` takes for ``osd`` (no side effect)."""
     groups = optimizer_params(model, optimizer)
     current = [[fqn for fqn, _ in g] for g in groups]
     saved_groups = osd.get("param_groups", [])
@@ -349,6 +203,10 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, osd
             "optimizer state does not match the optimizer's parameters (keyed by FQN):\n"
             f"  {problem or ''}{'' if not unexpected else f'  state for unknown parameters: {unexpected[:10]}'}\n"
             "  fix: build the optimizer with the same parameter groups as when saving, or load with strict=False")
+    names_problem = _state_problem(groups, optimizer, osd) if strict else None
+    if names_problem:
+        raise CheckpointError(f"optimizer state names do not match the optimizer's:\n{names_problem}\n  fix: load "
+                              "state saved from the same optimizer class, or load with strict=False")
     ids: dict[str, int] = {}
     new_groups = []
     for group, entries in zip(optimizer.param_groups, groups):
@@ -379,7 +237,7 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, osd
                         value = value.detach().clone()
                 out[name] = value
             state[ids[fqn]] = out
-    optimizer.load_state_dict({"state": state, "param_groups": new_groups})
+    return {"state": state, "param_groups": new_groups}
 
 
 def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: OptimStateDict, *,
@@ -390,12 +248,11 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
     parameter (other ranks may pass ``{}``); collective.
     """
     comm = Comm()
-    error: BaseException | None = None
     if full and comm.world > 1:
         skeleton: Any = None
         encoder = Encoder("t/")
-        if comm.rank == 0:
-            try:
+        with comm.phase("set_optimizer_state_dict(full=True)"):
+            if comm.rank == 0:
                 for fqn, values in state_dict.get("state", {}).items():
                     for name, value in values.items():
                         if isinstance(value, DTensor):
@@ -405,9 +262,6 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
                                            "param_groups": state_dict.get("param_groups", [])}, "optimizer state")
                 skeleton = {"tree": skeleton, "tensors": [[n, st_dtype(t.dtype, n), list(t.shape)]
                                                           for n, t in encoder.tensors.items()]}
-            except BaseException as e:
-                error = e
-        comm.agree(error, "set_optimizer_state_dict(full=True)")
         skeleton = comm.broadcast_json(skeleton)
         received: dict[str, torch.Tensor] = {}
         for name, dtype, shape in skeleton["tensors"]:
@@ -416,8 +270,5 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
             comm.broadcast_tensor(buf)
             received[name] = buf
         state_dict = decode(skeleton["tree"], received.__getitem__)
-    try:
+    with comm.phase("set_optimizer_state_dict"):
         load_optimizer_state(model, optimizer, state_dict, strict)
-    except BaseException as e:
-        error = e
-    comm.agree(error, "set_optimizer_state_dict")

@@ -1,23 +1,30 @@
-"""Validate index.json: types, version, file names, chunk bounds, coverage and key uniqueness (pure).
+"""Validate what a checkpoint reads: strict JSON, the index's own digest, and every invariant of index.json.
 
 Everything a loaded index promises is checked here before any data file is opened, so a damaged or
 hostile index (a file outside the directory, overlapping chunks, a newer format) fails with the key
-that is wrong instead of loading something partial.
+that is wrong instead of loading something partial. Order (design/checkpoint-format.md section 3):
+size, UTF-8, the digest trailer (any changed byte fails here), strict JSON (no NaN/Infinity, no
+duplicate keys, bounded nesting and string sizes), then the schema. Pure: no I/O, no torch.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
+import xxhash
+
+from .errors import CheckpointError, short
 from .format import (
     DIGEST_ALGO,
     DIGEST_RE,
     DTYPE_SIZES,
     FORMAT_NAME,
     FORMAT_VERSION,
+    INDEX_DIGEST_KEY,
     MAX_INDEX_BYTES,
-    CheckpointError,
+    SEAL_RE,
     Chunk,
     FileEntry,
     Index,
@@ -25,10 +32,93 @@ from .format import (
     TensorEntry,
     Value,
     check_file_name,
-    coverage_problem,
-    rows_of,
-    short,
 )
+from .rows import coverage_problem, rows_of
+
+MAX_JSON_DEPTH = 64  # nesting of objects/arrays; the index itself needs 7, the rest is `extra`
+MAX_JSON_STRING = 16 << 20  # characters in one string (key or value)
+
+
+def parse_index(text: str | bytes, source: str) -> Index:
+    """Parse and fully validate an index; raise CheckpointError naming ``source`` and the bad key."""
+    return IndexParser(source).parse(text)
+
+
+def index_digest(raw: bytes, source: str) -> str:
+    """Check the index's digest trailer against its body; return the digest (it names the generation)."""
+    fix = ("the index was modified, truncated or damaged after it was written; restore it or load an earlier "
+           "checkpoint (an index without the trailer was not written by this version of fully_shard)")
+    m = SEAL_RE.search(raw)
+    if m is None:
+        raise CheckpointError(f"{source}: no valid {INDEX_DIGEST_KEY!r} trailer at the end of the file (expected "
+                              f'\'{{... ,\\n "{INDEX_DIGEST_KEY}": "<32 hex digits>"\\n}}\'); fix: {fix}')
+    recorded = m.group(1).decode()
+    actual = xxhash.xxh3_128_hexdigest(raw[: m.start()])
+    if actual != recorded:
+        raise CheckpointError(f"{source}: content digest {actual} differs from the {recorded} recorded in its "
+                              f"{INDEX_DIGEST_KEY!r} ({DIGEST_ALGO} of every byte before that field); fix: {fix}")
+    return recorded
+
+
+class _Duplicates(dict):  # type: ignore[type-arg]
+    """An object with duplicate keys, kept so that the walk can name its path."""
+
+    duplicate: str = ""
+
+
+class _NonFinite:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(items)
+    if len(out) == len(items):
+        return out
+    seen: set[str] = set()
+    marked = _Duplicates(items)
+    marked.duplicate = next(k for k, _ in items if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+    return marked
+
+
+def loads_strict(raw: bytes, source: str, *, max_depth: int = MAX_JSON_DEPTH,
+                 max_string: int = MAX_JSON_STRING) -> Any:
+    """JSON as RFC 8259 says and Python's json module does not enforce: UTF-8, no NaN/Infinity (nor numbers
+    that overflow to infinity), no duplicate keys; plus bounded nesting and string sizes. Errors name
+    ``source`` and the key path."""
+    def fail(where: str, problem: str) -> CheckpointError:
+        return CheckpointError(f"{source}: {where}: {problem}; fix: the file is damaged or was not written by "
+                               "fully_shard; restore it or load an earlier checkpoint")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise fail(f"byte {e.start}", f"not valid UTF-8 ({e.reason})") from None
+    try:
+        doc = json.loads(text, object_pairs_hook=_pairs, parse_constant=_NonFinite)
+    except RecursionError:
+        raise fail("top level", f"nesting far deeper than the {max_depth} levels allowed") from None
+    except ValueError as e:
+        raise fail("JSON", f"not valid JSON ({e})") from None
+    stack: list[tuple[Any, str, int]] = [(doc, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        where = (path if len(path) <= 120 else path[:117] + "...") or "top level"
+        if isinstance(value, (dict, list)) and depth >= max_depth:
+            raise fail(where, f"nested deeper than the {max_depth} levels allowed")
+        if isinstance(value, _Duplicates):
+            raise fail(where, f"duplicate key {short(value.duplicate)} (JSON readers disagree on which one wins)")
+        if isinstance(value, _NonFinite) or (isinstance(value, float) and not math.isfinite(value)):
+            raise fail(where, f"non-finite number {getattr(value, 'name', value)!r} (strict JSON has none)")
+        if isinstance(value, str) and len(value) > max_string:
+            raise fail(where, f"a string of {len(value)} characters, more than the {max_string} allowed")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if len(k) > max_string:
+                    raise fail(where, f"a key of {len(k)} characters, more than the {max_string} allowed")
+                stack.append((v, f"{path}[{k!r}]" if path else k, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+    return doc
 
 
 class IndexParser:
@@ -51,12 +141,11 @@ class IndexParser:
         return value
 
     def parse(self, text: str | bytes) -> Index:
-        if len(text) > MAX_INDEX_BYTES:
-            raise self.fail("size", f"index is {len(text)} bytes, more than the {MAX_INDEX_BYTES} allowed")
-        try:
-            doc = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise self.fail("JSON", f"not valid JSON ({e})") from None
+        raw = text.encode() if isinstance(text, str) else text
+        if len(raw) > MAX_INDEX_BYTES:
+            raise self.fail("size", f"index is {len(raw)} bytes, more than the {MAX_INDEX_BYTES} allowed")
+        digest = index_digest(raw, self.source)
+        doc = loads_strict(raw, self.source)
         if not isinstance(doc, dict):
             raise self.fail("top level", f"expected a JSON object, found {type(doc).__name__}")
         if doc.get("format") != FORMAT_NAME:
@@ -66,11 +155,12 @@ class IndexParser:
         if version > FORMAT_VERSION:
             raise self.fail("version", f"written in format version {version}, but this fully_shard reads "
                             f"versions up to {FORMAT_VERSION}", "upgrade fully_shard to load it")
-        if version < 1:
-            raise self.fail("version", f"expected a version >= 1, found {version}")
-        digest = self.get(doc, "digest", str, "index")
-        if digest != DIGEST_ALGO:
-            raise self.fail("digest", f"expected {DIGEST_ALGO!r}, found {digest!r}")
+        if version < FORMAT_VERSION:
+            raise self.fail("version", f"format version {version} predates the index digest (a development "
+                            f"version); this fully_shard reads version {FORMAT_VERSION}", "re-save the checkpoint")
+        algo = self.get(doc, "digest", str, "index")
+        if algo != DIGEST_ALGO:
+            raise self.fail("digest", f"expected {DIGEST_ALGO!r}, found {algo!r}")
         world = self.get(doc, "world_size", int, "index")
         if world < 1:
             raise self.fail("world_size", f"expected >= 1, found {world}")
@@ -101,7 +191,7 @@ class IndexParser:
         created: dict[str, Any] = doc["created"] if isinstance(doc.get("created"), dict) else {}
         return Index(world_size=world, files=files, model=model, aliases=aliases, optimizer=optimizer,
                      blobs=blobs, extra=doc.get("extra"), extra_per_rank=extra_per_rank, created=created,
-                     version=version)
+                     version=version, digest=digest)
 
     def optim(self, doc: dict[str, Any], files: dict[str, FileEntry]) -> OptimEntry:
         groups = self.get(doc, "param_groups", list, "optimizer")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 from collections.abc import Callable
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from fully_shard import checkpoint
 from fully_shard.checkpoint import CheckpointError
+from fully_shard.checkpoint import format as fmt
 from tests.checkpoint import common as C
 from tests.distributed.harness import distributed
 
@@ -28,10 +30,20 @@ def _flip(path: str, offset: int) -> None:
 
 
 def _edit_index(d: str, edit: Callable[[dict], None]) -> None:
+    """Edit index.json and recompute its digest (an adversary's or a tool's edit), to reach the checks behind it."""
     p = os.path.join(d, "index.json")
     doc = json.loads(Path(p).read_text())
+    del doc[fmt.INDEX_DIGEST_KEY]
     edit(doc)
-    Path(p).write_text(json.dumps(doc))
+    Path(p).write_text(fmt.seal(json.dumps(doc)))
+
+
+def _edit_text(d: str, pattern: str, replacement: str) -> None:
+    """Edit index.json's text in place, keeping its (now stale) digest."""
+    p = Path(d, "index.json")
+    text, n = re.subn(pattern, replacement, p.read_text())
+    assert n == 1, (pattern, n)
+    p.write_text(text)
 
 
 def _set_header_len(path: str, n: int) -> None:
@@ -47,6 +59,13 @@ def _replace_with_file(d: str) -> None:
 def _chunk_file(doc: dict, name: str) -> None:
     doc["model"]["pos"]["chunks"][0]["file"] = name
     doc["files"][name] = doc["files"].pop("model-rank00000.safetensors")
+
+
+def _swap_chunks(doc: dict) -> None:
+    """Two same-shaped tensors' chunk lists swapped: only the files' own records can tell."""
+    m = doc["model"]
+    m["blocks.0.qkv.weight"]["chunks"], m["blocks.1.qkv.weight"]["chunks"] = \
+        m["blocks.1.qkv.weight"]["chunks"], m["blocks.0.qkv.weight"]["chunks"]
 
 
 M0, M1, O1 = "model-rank00000.safetensors", "model-rank00001.safetensors", "optim-rank00001.safetensors"
@@ -76,7 +95,24 @@ CASES: dict[str, tuple[Callable[[str], object] | str | None, dict, dict, list[st
     "newer format version": (lambda d: _edit_index(d, lambda doc: doc.update(version=99)), {}, {},
                              ["version 99", "upgrade fully_shard"]),
     "malformed index": (lambda d: Path(d, "index.json").write_text('{"format": "fully_shard-checkpoint", "ver'), {}, {},
-                        ["not valid JSON", "index.json"]),
+                        ["index_digest", "index.json"]),
+    "malformed index under a valid digest": (
+        lambda d: Path(d, "index.json").write_text(fmt.seal('{"format": "fully_shard-checkpoint", "ver": [}')), {}, {},
+        ["not valid JSON", "index.json"]),
+    "edited index (digest not recomputed)": (
+        lambda d: _edit_text(d, r'"step": ?1\b', '"step": 2'), {}, {},
+        ["index.json", "content digest", "differs"]),
+    # All or nothing: extra is decoded and its file checked before the model or optimizer is touched.
+    "bad marker in extra (digest recomputed)": (
+        lambda d: _edit_index(d, lambda doc: doc["extra"].update(step={"__tuple__": 5})), {}, {},
+        ["index.json", "extra: cannot decode"]),
+    "extra refers to a missing tensor (digest recomputed)": (
+        lambda d: _edit_index(d, lambda doc: doc["extra"].update(step={"__tensor__": "extra/9"})), {}, {},
+        ["index.json", "extra refers to tensor 'extra/9'"]),
+    "extra file header damaged (verify=False)": (lambda d: _flip(os.path.join(d, "extra-rank00000.safetensors"), 8),
+                                                 {}, {"verify": False}, ["extra-rank00000.safetensors", "not valid JSON"]),
+    "two chunk lists swapped (digest recomputed)": (lambda d: _edit_index(d, _swap_chunks), {}, {},
+                                                    [M0, "does not belong to this index"]),
     "not a checkpoint (no index)": (lambda d: os.remove(os.path.join(d, "index.json")), {}, {},
                                     ["not a fully_shard checkpoint", "no index.json"]),
     "not a checkpoint (no directory)": (lambda d: shutil.rmtree(d), {}, {}, ["no such checkpoint"]),
@@ -101,7 +137,7 @@ def _bad_inputs(tmp: str, names: list[str]) -> dict[str, str | None]:
     good = os.path.join(tmp, "good")
     model, opt = _model({})
     C.train(model, opt, 0, 1)
-    checkpoint.save(good, model, opt, extra={"step": 1})
+    checkpoint.save(good, model, opt, extra={"step": 1, "rng": torch.arange(3)})
     checkpoint.save(os.path.join(tmp, "no-optim"), model)
     results: dict[str, str | None] = {}
     for name in names:
@@ -125,7 +161,8 @@ def _bad_inputs(tmp: str, names: list[str]) -> dict[str, str | None]:
         assert not target_opt.state, f"{name}: optimizer changed by a failed load"
     # The pool still works and the good checkpoint still loads.
     target, target_opt = _model({})
-    assert checkpoint.load(good, target, target_opt) == {"step": 1}
+    loaded = checkpoint.load(good, target, target_opt)
+    assert loaded["step"] == 1 and torch.equal(loaded["rng"], torch.arange(3)), loaded
     C.assert_same(C.full_state(target), C.full_state(model), "good checkpoint")
     # strict=False skips missing/unexpected keys and loads the rest.
     small, small_opt = _model({"n_blocks": 1})

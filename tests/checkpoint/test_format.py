@@ -8,12 +8,19 @@ import math
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fully_shard.checkpoint import format as fmt
+from fully_shard.checkpoint import rows as row_math
+from fully_shard.checkpoint import validate
 from fully_shard.checkpoint.codec import Encoder, decode, tensor_refs
-from fully_shard.checkpoint.format import CheckpointError, Chunk, Index, TensorEntry
+from fully_shard.checkpoint.commit import series_key
+from fully_shard.checkpoint.consolidate import plan_output_shards
+from fully_shard.checkpoint.errors import CheckpointError
+from fully_shard.checkpoint.format import Chunk, Index, TensorEntry
+from fully_shard.checkpoint.validate import parse_index
 
 SETTINGS = settings(max_examples=150, deadline=None)
 
@@ -25,10 +32,10 @@ shapes = st.one_of(
 )
 # A mesh: 1-D (shard), 2-D HSDP (replicate, shard), 2-D all-replicate, or 1-D replicate.
 meshes = st.one_of(
-    st.tuples(st.integers(1, 7)).map(lambda s: (s, (fmt.SHARD,))),
-    st.tuples(st.integers(1, 3), st.integers(1, 4)).map(lambda s: (s, (fmt.REPLICATE, fmt.SHARD))),
-    st.tuples(st.integers(1, 3), st.integers(1, 3)).map(lambda s: (s, (fmt.SHARD, fmt.SHARD))),
-    st.tuples(st.integers(1, 4)).map(lambda s: (s, (fmt.REPLICATE,))),
+    st.tuples(st.integers(1, 7)).map(lambda s: (s, (row_math.SHARD,))),
+    st.tuples(st.integers(1, 3), st.integers(1, 4)).map(lambda s: (s, (row_math.REPLICATE, row_math.SHARD))),
+    st.tuples(st.integers(1, 3), st.integers(1, 3)).map(lambda s: (s, (row_math.SHARD, row_math.SHARD))),
+    st.tuples(st.integers(1, 4)).map(lambda s: (s, (row_math.REPLICATE,))),
 )
 
 
@@ -38,7 +45,7 @@ def coords(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 def placements_for(shape: tuple[int, ...], placements: tuple[str, ...]) -> tuple[str, ...]:
     """0-dim tensors cannot be sharded: fully_shard replicates them."""
-    return placements if shape else tuple(fmt.REPLICATE for _ in placements)
+    return placements if shape else tuple(row_math.REPLICATE for _ in placements)
 
 
 def save_chunks(shape: tuple[int, ...], mesh: tuple[tuple[int, ...], tuple[str, ...]]) -> list[Chunk]:
@@ -46,7 +53,7 @@ def save_chunks(shape: tuple[int, ...], mesh: tuple[tuple[int, ...], tuple[str, 
     placements = placements_for(shape, placements)
     chunks = []
     for i, c in enumerate(coords(mesh_shape)):
-        s, e = fmt.write_rows(shape, mesh_shape, c, placements)
+        s, e = row_math.write_rows(shape, mesh_shape, c, placements)
         if s < e:
             chunks.append(Chunk(f"model-rank{i:05d}.safetensors", "w", s, e))
     return chunks
@@ -57,12 +64,12 @@ def save_chunks(shape: tuple[int, ...], mesh: tuple[tuple[int, ...], tuple[str, 
 def test_held_rows_match_torch_chunk(shape: tuple[int, ...], mesh: tuple[tuple[int, ...], tuple[str, ...]]) -> None:
     mesh_shape, placements = mesh
     placements = placements_for(shape, placements)
-    rows = fmt.rows_of(shape)
+    rows = row_math.rows_of(shape)
     for c in coords(mesh_shape):
-        start, end = fmt.held_rows(shape, mesh_shape, c, placements)
+        start, end = row_math.held_rows(shape, mesh_shape, c, placements)
         expected = torch.arange(rows)
         for size, ci, pl in zip(mesh_shape, c, placements):
-            if pl == fmt.SHARD:
+            if pl == row_math.SHARD:
                 parts = torch.chunk(expected, size) if expected.numel() else ()
                 expected = parts[ci] if ci < len(parts) else expected[:0]
         if expected.numel():
@@ -76,18 +83,18 @@ def test_held_rows_match_torch_chunk(shape: tuple[int, ...], mesh: tuple[tuple[i
 def test_written_chunks_cover_each_tensor_exactly_once(shape: tuple[int, ...],
                                                        mesh: tuple[tuple[int, ...], tuple[str, ...]]) -> None:
     chunks = save_chunks(shape, mesh)
-    assert fmt.coverage_problem(fmt.rows_of(shape), chunks) is None
+    assert row_math.coverage_problem(row_math.rows_of(shape), chunks) is None
     mesh_shape, placements = mesh
     placements = placements_for(shape, placements)
     for c in coords(mesh_shape):  # every rank writes only rows it holds
-        hs, he = fmt.held_rows(shape, mesh_shape, c, placements)
-        ws, we = fmt.write_rows(shape, mesh_shape, c, placements)
+        hs, he = row_math.held_rows(shape, mesh_shape, c, placements)
+        ws, we = row_math.write_rows(shape, mesh_shape, c, placements)
         assert ws == we or hs <= ws < we <= he
     # Replicas share the work: each writes at most its torch.chunk share of the rows they all hold.
-    replicas = math.prod(size for size, pl in zip(mesh_shape, placements) if pl == fmt.REPLICATE)
+    replicas = math.prod(size for size, pl in zip(mesh_shape, placements) if pl == row_math.REPLICATE)
     for c in coords(mesh_shape):
-        hs, he = fmt.held_rows(shape, mesh_shape, c, placements)
-        ws, we = fmt.write_rows(shape, mesh_shape, c, placements)
+        hs, he = row_math.held_rows(shape, mesh_shape, c, placements)
+        ws, we = row_math.write_rows(shape, mesh_shape, c, placements)
         assert we - ws <= -(-(he - hs) // replicas)
 
 
@@ -102,9 +109,9 @@ def test_save_at_w_load_at_w_prime_is_identity(shape: tuple[int, ...], saved: tu
     mesh_shape, placements = loaded
     placements = placements_for(shape, placements)
     for c in coords(mesh_shape):
-        start, end = fmt.held_rows(shape, mesh_shape, c, placements)
+        start, end = row_math.held_rows(shape, mesh_shape, c, placements)
         target = np.full((end - start, *shape[1:]) if shape else (1,), np.nan)
-        for chunk, s, e in fmt.overlaps(chunks, start, end):
+        for chunk, s, e in row_math.overlaps(chunks, start, end):
             target[s - start:e - start] = stored[chunk.file][s - chunk.start:e - chunk.start]
         np.testing.assert_array_equal(target, rows_view[start:end])
 
@@ -122,14 +129,14 @@ def test_coverage_problem_detects_gaps_overlaps_and_bounds(rows: int, spans: lis
         for r in range(s, e):
             covered[r] += 1
     ok = ok and all(c == 1 for c in covered)
-    assert (fmt.coverage_problem(rows, chunks) is None) == ok
+    assert (row_math.coverage_problem(rows, chunks) is None) == ok
 
 
 @SETTINGS
 @given(st.dictionaries(st.text(min_size=1, max_size=5), st.integers(0, 1000), max_size=30), st.integers(1, 8))
 def test_assign_whole_is_deterministic_and_balanced(sizes: dict[str, int], world: int) -> None:
-    owner = fmt.assign_whole(sizes, world)
-    assert owner == fmt.assign_whole(dict(reversed(list(sizes.items()))), world)
+    owner = row_math.assign_whole(sizes, world)
+    assert owner == row_math.assign_whole(dict(reversed(list(sizes.items()))), world)
     loads = [0] * world
     for name, rank in owner.items():
         loads[rank] += max(sizes[name], 1)
@@ -141,7 +148,7 @@ def test_assign_whole_is_deterministic_and_balanced(sizes: dict[str, int], world
 @given(st.lists(st.integers(0, 100), max_size=30), st.integers(1, 150))
 def test_output_shards_respect_the_limit_and_keep_order(sizes: list[int], limit: int) -> None:
     named = [(f"t{i}", s) for i, s in enumerate(sizes)]
-    groups = fmt.plan_output_shards(named, limit)
+    groups = plan_output_shards(named, limit)
     assert [n for g in groups for n in g] == [n for n, _ in named]
     size_of = dict(named)
     for g in groups:
@@ -162,19 +169,26 @@ def test_index_round_trip() -> None:
                                      {"w": {"exp_avg": moment, "k": fmt.Value(3)}}, {("w", "exp_avg")})
     shared = TensorEntry("F32", (5, 3), (Chunk("optim-rank00000.safetensors", "w", 0, 5),))
     index.model["v"] = shared
-    Index.parse(index.to_json(), "x/index.json")
+    parse_index(index.to_json(), "x/index.json")
     index.blobs["b"] = shared  # two tensors claiming one stored chunk are rejected
     with pytest.raises(CheckpointError, match="also used by"):
-        Index.parse(index.to_json(), "x/index.json")
+        parse_index(index.to_json(), "x/index.json")
     del index.blobs["b"]
     text = index.to_json()
-    again = Index.parse(text, "x/index.json")
+    again = parse_index(text, "x/index.json")
     assert again.to_json() == text
     assert again.optimizer is not None and ("w", "exp_avg") in again.optimizer.sharded
 
 
 def _doc() -> dict:
-    return json.loads(_index().to_json())
+    doc = json.loads(_index().to_json())
+    del doc[fmt.INDEX_DIGEST_KEY]
+    return doc
+
+
+def _sealed(doc: dict) -> str:
+    """An edited index with a recomputed digest (as an adversary or a tool could write it)."""
+    return fmt.seal(json.dumps(doc))
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -197,14 +211,42 @@ def test_bad_index_is_rejected_with_the_key(mutate, message: str) -> None:
     doc = _doc()
     mutate(doc)
     with pytest.raises(CheckpointError, match=r"x/index\.json") as err:
-        Index.parse(json.dumps(doc), "x/index.json")
+        parse_index(_sealed(doc), "x/index.json")
+    assert message in str(err.value), str(err.value)
+    with pytest.raises(CheckpointError, match=r"x/index\.json.*(digest|trailer)"):  # the edit without the digest
+        parse_index(json.dumps(doc), "x/index.json")
+
+
+def test_every_byte_of_the_index_is_covered_by_its_digest() -> None:
+    text = _index().to_json().encode()
+    assert parse_index(text, "x/index.json").digest == json.loads(text)[fmt.INDEX_DIGEST_KEY]
+    for i in range(len(text)):  # every single-byte change, anywhere (the trailer included), is refused
+        flipped = text[:i] + bytes([text[i] ^ 0x01]) + text[i + 1:]
+        with pytest.raises(CheckpointError, match=r"x/index\.json"):
+            parse_index(flipped, "x/index.json")
+
+
+@pytest.mark.parametrize("body, message", [
+    ('{"a": NaN}', "non-finite number 'NaN'"),
+    ('{"a": {"b": [-Infinity]}}', "a['b'][0]: non-finite"),
+    ('{"a": [1e999]}', "a[0]: non-finite number inf"),
+    ('{"a": 1, "b": {"c": 1, "c": 2}}', "b: duplicate key 'c'"),
+    ('{"a": ' + "[" * 70 + "]" * 70 + "}", "nested deeper than the 64 levels"),
+    ('{"a": ' + "[" * 100000 + "]" * 100000 + "}", "nesting far deeper"),
+])
+def test_strict_json(body: str, message: str) -> None:
+    with pytest.raises(CheckpointError, match=r"x/index\.json") as err:
+        parse_index(fmt.seal(body), "x/index.json")
     assert message in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("text", ["", "{", "[1, 2]", "null", '{"format": "fully_shard-checkpoint"}', "\xff\xfe"])
-def test_malformed_index_text(text: str) -> None:
-    with pytest.raises(CheckpointError, match="fix:"):
-        Index.parse(text, "x/index.json")
+def test_index_bytes_must_be_utf8_and_strings_bounded() -> None:
+    body = b'{"a": "caf\xe9"'  # latin-1, not UTF-8, under a valid digest
+    raw = body + b',\n "index_digest": "' + xxhash.xxh3_128_hexdigest(body).encode() + b'"\n}\n'
+    with pytest.raises(CheckpointError, match=r"x/index\.json: byte 10: not valid UTF-8"):
+        parse_index(raw, "x/index.json")
+    with pytest.raises(CheckpointError, match=r"a\['s'\]: a string of 40 characters"):
+        validate.loads_strict(b'{"a": {"s": "' + b"x" * 40 + b'"}}', "x", max_string=32)
 
 
 json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**62, 2**62), st.text(max_size=8),
@@ -241,5 +283,9 @@ def test_codec_rejects_unstorable_values() -> None:
 
 
 def test_series_key() -> None:
-    assert fmt.series_key("step-000300") == ("step-#", (300,))
-    assert fmt.series_key("final") is None
+    """The step is the last digit run; everything else names the series."""
+    assert series_key("step-000300") == ("step-", "", 300)
+    assert series_key("exp1-step-000010") == ("exp1-step-", "", 10) != series_key("exp2-step-000010")[:2]  # type: ignore[index]
+    assert series_key("seed2-step-100")[:2] != series_key("seed1-step-900")[:2]  # type: ignore[index]
+    assert series_key("step-99")[:2] == series_key("step-100")[:2]  # type: ignore[index]
+    assert series_key("final") is None and series_key(".step-1.tmp-ab12") is None

@@ -1,0 +1,53 @@
+"""CheckpointError, the one exception of the checkpoint package, and the helpers that word its messages.
+
+Every message names the file or key that is wrong, what was expected and found, and the fix. Structure
+mismatches (model vs checkpoint, state dict vs model) print a diff: missing, unexpected, dtype/shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+Signature = tuple[str, tuple[int, ...]]  # (dtype name, global shape)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved, loaded or consolidated; the message names the file/key and the fix."""
+
+
+def short(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def structure_diff(expected: Mapping[str, Signature],
+                   found: Mapping[str, Signature]) -> tuple[list[str], list[str], list[str]]:
+    """(missing, unexpected, mismatched) names; mismatched lines show expected vs found dtype[shape]."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    mismatched = []
+    for name in expected:
+        if name in found and expected[name] != found[name]:
+            mismatched.append(f"{name}: expected {_sig(expected[name])}, found {_sig(found[name])}")
+    return missing, unexpected, mismatched
+
+
+def format_diff(title: str, missing: Sequence[str], unexpected: Sequence[str], mismatched: Sequence[str],
+                fix: str, limit: int = 20) -> str:
+    lines = [title]
+    for label, items in (("missing in checkpoint (expected by the model)", missing),
+                         ("unexpected in checkpoint (not in the model)", unexpected),
+                         ("dtype/shape differs", mismatched)):
+        if items:
+            lines.append(f"  {label}: {len(items)}")
+            lines += [f"    - {item}" for item in items[:limit]]
+            if len(items) > limit:
+                lines.append(f"    ... and {len(items) - limit} more")
+    lines.append(f"  fix: {fix}")
+    return "\n".join(lines)
+
+
+def _sig(sig: Signature) -> str:
+    return f"{sig[0]}{list(sig[1])}"
