@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from ..mesh import default_device
 from .errors import CheckpointError
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
@@ -54,9 +55,8 @@ class Comm:
         self.rank = dist.get_rank() if self.on else 0
         self.world = dist.get_world_size() if self.on else 1
         self.timeout = as_timedelta(timeout)
-        self.device = torch.device("cpu")  # of the default group, for broadcast_tensor (state dicts)
-        if self.on and "nccl" in str(dist.get_backend()).lower() and torch.cuda.is_available():
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        # of the default group, for broadcast_tensor (state dicts)
+        self.device = default_device() if self.on else torch.device("cpu")
 
     @classmethod
     def single(cls) -> Comm:
