@@ -34,6 +34,17 @@ def structure_diff(expected: Mapping[str, Signature],
     return missing, unexpected, mismatched
 
 
+def check_structure(expected: Mapping[str, Signature], found: Mapping[str, Signature], *, strict: bool,
+                    title: str, fix: str) -> None:
+    """Raise CheckpointError with the diff when ``found`` differs from ``expected`` (dtype/shape
+    differences always; missing/unexpected names only when ``strict``)."""
+    missing, unexpected, mismatched = structure_diff(expected, found)
+    if not strict:
+        missing, unexpected = [], []
+    if missing or unexpected or mismatched:
+        raise CheckpointError(format_diff(title, missing, unexpected, mismatched, fix))
+
+
 def format_diff(title: str, missing: Sequence[str], unexpected: Sequence[str], mismatched: Sequence[str],
                 fix: str, limit: int = 20) -> str:
     lines = [title]

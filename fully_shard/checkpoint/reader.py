@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from . import format as fmt
 from .codec import ST_TO_TORCH, Encoded, decode, tensor_refs
 from .comm import Comm
-from .errors import CheckpointError, Signature, format_diff, structure_diff
+from .errors import CheckpointError, Signature, check_structure
 from .rows import overlaps
 from .snapshot import Snapshot, Vanished
 from .state_dict import torch_optimizer_state
@@ -89,14 +89,10 @@ class _Loader:
         expected = {v.name: (v.dtype, v.shape) for v in views}
         expected.update({a: expected[t] for a, t in aliases.items()})
         self.structure = expected
-        missing, unexpected, mismatched = structure_diff(expected, found)
-        if not strict:
-            missing, unexpected = [], []
-        if missing or unexpected or mismatched:
-            raise CheckpointError(format_diff(
-                f"checkpoint {self.snap.path} does not match the model:", missing, unexpected, mismatched,
-                "load the checkpoint into the model it was saved from (same architecture and dtypes); "
-                "strict=False skips missing/unexpected keys but never dtype/shape differences"))
+        check_structure(expected, found, strict=strict,
+                        title=f"checkpoint {self.snap.path} does not match the model:",
+                        fix="load the checkpoint into the model it was saved from (same architecture and "
+                            "dtypes); strict=False skips missing/unexpected keys but never dtype/shape differences")
         names_by_view: dict[str, list[str]] = defaultdict(list)
         for a, t in aliases.items():
             names_by_view[t].append(a)

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from .codec import ST_TO_TORCH, Encoder, decode, st_dtype
 from .comm import Comm
-from .errors import CheckpointError, Signature, format_diff, structure_diff
+from .errors import CheckpointError, Signature, check_structure
 from .views import View, describe, ensure_sharded, group_hyper, optimizer_params, shard_like, state_is_sharded
 
 OptimStateDict = dict[str, Any]  # {"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn]}]}
@@ -72,13 +72,9 @@ def _check_structure(comm: Comm, expected: dict[str, Signature], found: dict[str
             return
         if not check_dtype:
             found = {k: (expected[k][0] if k in expected else v[0], v[1]) for k, v in found.items()}
-        missing, unexpected, mismatched = structure_diff(expected, found)
-        if not strict:
-            missing, unexpected = [], []
-        if missing or unexpected or mismatched:
-            raise CheckpointError(format_diff(
-                f"{what} does not match the model:", missing, unexpected, mismatched,
-                "pass a state dict of this model (strict=False ignores missing/unexpected keys, not shapes)"))
+        check_structure(expected, found, strict=strict, title=f"{what} does not match the model:",
+                        fix="pass a state dict of this model (strict=False ignores missing/unexpected keys, "
+                            "not shapes)")
 
 
 def set_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], *, full: bool = False,
