@@ -41,6 +41,8 @@ class _PendingReduce:
     reduce_scatter: Pending
     all_reduce: Pending | None  # HSDP: issued right after the reduce-scatter, waited with it
     cpu_input: torch.Tensor | None  # CPU: kept alive until the async work is waited
+    params: list[ShardedParam]  # whose grads the output holds, at ``flat``'s offsets
+    flat: FlatLayout
 
 
 class ParamGroup:
@@ -62,6 +64,9 @@ class ParamGroup:
         self._pending_reduces: list[_PendingReduce] = []
         self._partial_reduce_output: torch.Tensor | None = None  # HSDP without all-reduce
         self._grad_flat: tuple[tuple[bool, ...], list[ShardedParam], FlatLayout] | None = None
+        # List units: the parameters of members that ran forward since the last synced backward;
+        # None: every parameter (one-module units). See design/hooks.md, "List units".
+        self._used: set[int] | None = None
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.reshard_after_backward = True
@@ -89,14 +94,35 @@ class ParamGroup:
 
     @property
     def grad_params(self) -> list[ShardedParam]:
-        return self._grad_layout()[0]
+        return [p for p in self.params if p.requires_grad]
+
+    def mark_used(self, params: list[ShardedParam]) -> None:
+        """A list unit's member ran forward with grad enabled: its ``params`` take part in the next
+        synced reduce (with zeros where this rank computed no gradient)."""
+        self._used = (self._used or set()) | {id(p) for p in params}
+
+    def clear_used(self) -> None:
+        if self._used is not None:
+            self._used = set()
+
+    def _reduced(self, p: ShardedParam) -> bool:
+        """Whether ``p`` takes part in a reduce: trainable and, in a list unit, under a member that ran
+        (or holding a gradient), so a member no rank ran keeps ``.grad = None`` as in torch."""
+        if not p.requires_grad:
+            return False
+        if self._used is None or id(p) in self._used:
+            return True
+        if not self.requires_all_reduce or self._partial_reduce_output is not None:
+            return True  # HSDP without all-reduce sums outputs across reduces: one layout
+        return p.unsharded_accumulated_grad is not None or (
+            p.unsharded_param is not None and p.unsharded_param.grad is not None)
 
     def _grad_layout(self) -> tuple[list[ShardedParam], FlatLayout]:
-        """The parameters that take gradients and their flat layout (the reduce-scatter buffers),
-        rebuilt only when a parameter's ``requires_grad`` changed."""
-        key = tuple(p.requires_grad for p in self.params)
+        """The parameters reduced now and their flat layout (the reduce-scatter buffers), rebuilt only
+        when that set changed."""
+        key = tuple(self._reduced(p) for p in self.params)
         if self._grad_flat is None or self._grad_flat[0] != key:
-            params = [p for p in self.params if p.requires_grad]
+            params = [p for p, reduced in zip(self.params, key) if reduced]
             self._grad_flat = (key, params, FlatLayout(tuple(p.layout for p in params)))
         return self._grad_flat[1], self._grad_flat[2]
 
@@ -279,20 +305,19 @@ class ParamGroup:
         if self.mesh_info.replicate_group is not None:
             output, all_reduce = self._all_reduce_replicas(out, pending)
         cpu_input = None if ctx.accelerated else inp
-        self._pending_reduces.append(_PendingReduce(output, pending, all_reduce, cpu_input))
+        self._pending_reduces.append(_PendingReduce(output, pending, all_reduce, cpu_input, params, flat))
         return True
 
     def finish_reduces(self) -> None:
         """Wait for this group's reduce-scatters (and HSDP all-reduces); assign sharded grads."""
         if not self._pending_reduces:
             return
-        params, flat = self._grad_layout()
         for item in self._pending_reduces:
             item.reduce_scatter.wait(self._comm)
             if item.all_reduce is not None:
                 item.all_reduce.wait(self._comm)
             if item.output is not None:
-                self._assign_grads(item.output, params, flat)
+                self._assign_grads(item.output, item.params, item.flat)
         self._pending_reduces.clear()
         self._emit(trace.EventKind.REDUCE_DONE, trace.Phase.BACKWARD)
 
