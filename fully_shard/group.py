@@ -14,9 +14,12 @@ collective call itself lives in collectives.py, the streams it runs on in stream
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -26,6 +29,25 @@ from .mesh import MeshInfo, SubgroupInfo
 from .param import ShardedParam
 from .policy import MixedPrecisionPolicy
 from .streams import CommContext, Pending
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _outside_functorch(method: _F) -> _F:
+    """Run ``method`` with torch.func transforms (jvp, vmap, grad) switched off, as torch's FSDP2
+    does: the buffers and collectives of gathering and freeing are plain tensors, never functorch
+    wrappers (which have no storage to resize and cannot be communicated). The gathered parameters
+    then enter the transformed function as constants (zero tangent). ``torch._C`` holds the only
+    switch torch offers for this."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 class GroupState(enum.Enum):
@@ -164,6 +186,7 @@ class ParamGroup:
         return self.comm
 
     # --- unshard -------------------------------------------------------------------------------
+    @_outside_functorch
     def lazy_init(self, comm: CommContext) -> None:
         self.comm = comm
         for p in self.params:
@@ -171,6 +194,7 @@ class ParamGroup:
             p.init_unsharded(self.param_dtype, self.device)
         self._check_dtypes()
 
+    @_outside_functorch
     def unshard(self, phase: trace.Phase = trace.Phase.EXPLICIT, *, prefetch: bool = False) -> None:
         """Issue the all-gather (asynchronously); ``wait_for_unshard`` makes the params usable."""
         if self.state in (GroupState.UNSHARDED, GroupState.UNSHARDING) or not self.params:
@@ -214,6 +238,7 @@ class ParamGroup:
         ctx.wait_stream(ctx.stream("all_gather"), ctx.stream("all_gather_copy_in"))
         return ctx.issue("all_gather", lambda a: collectives.all_gather(out, over, a))
 
+    @_outside_functorch
     def wait_for_unshard(self, phase: trace.Phase = trace.Phase.EXPLICIT) -> None:
         """Finish the all-gather, copy out into the unsharded params and register them."""
         if self.state is GroupState.UNSHARDED or not self.params:
@@ -240,6 +265,7 @@ class ParamGroup:
         self._emit(trace.EventKind.UNSHARD, phase, nbytes=self.unsharded_nbytes, exposed_s=exposed)
 
     # --- reshard -------------------------------------------------------------------------------
+    @_outside_functorch
     def reshard(self, phase: trace.Phase = trace.Phase.EXPLICIT, *, partial: bool = False) -> None:
         """Free the unsharded params; with ``partial`` keep this rank's k-subgroup block first."""
         if self.state is GroupState.UNSHARDING:
@@ -344,11 +370,14 @@ class ParamGroup:
         return output, pending
 
     def _assign_grads(self, output: torch.Tensor, params: list[ShardedParam], flat: FlatLayout) -> None:
+        """Assign each parameter's rows as its sharded ``.grad``, then run its post-accumulate-grad
+        hooks (optimizer-in-backward), as autograd would for a leaf (design/hooks.md)."""
         rank = self.mesh_info.shard_rank
         with torch.no_grad():
             for p, offset in zip(params, flat.offsets):
                 local = output.narrow(0, offset, p.layout.local_numel(rank)).view(p.layout.local_shape(rank))
                 p.set_sharded_grad(local)
+                p.run_post_accumulate_grad_hooks()
 
     def __repr__(self) -> str:
         lines = [f"ParamGroup({self.fqn or '<root>'}, {self.state.name}, {len(self.params)} params)"]

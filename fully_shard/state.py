@@ -313,17 +313,29 @@ class FSDPState:
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's forward inputs; its backward runs once their gradients are computed,
-    i.e. after the unit's own backward, and triggers the unit's post-backward."""
+    i.e. after the unit's own backward, and triggers the unit's post-backward.
+
+    Written in the ``setup_context`` form with a ``jvp`` and a generated vmap rule so that
+    torch.func transforms (jvp, vmap, grad) can run through a unit."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.state = state
+    def forward(state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         return inputs
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.state = inputs[0]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.state.post_backward()
         return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, _state_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tangents
 
 
 def _register_post_backward(state: FSDPState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
