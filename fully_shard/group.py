@@ -14,9 +14,12 @@ collective call itself lives in collectives.py, the streams it runs on in stream
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -26,6 +29,25 @@ from .mesh import MeshInfo, SubgroupInfo
 from .param import ShardedParam
 from .policy import MixedPrecisionPolicy
 from .streams import CommContext, Pending
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _outside_functorch(method: _F) -> _F:
+    """Run ``method`` with torch.func transforms (jvp, vmap, grad) switched off, as torch's FSDP2
+    does: the buffers and collectives of gathering and freeing are plain tensors, never functorch
+    wrappers (which have no storage to resize and cannot be communicated). The gathered parameters
+    then enter the transformed function as constants (zero tangent). ``torch._C`` holds the only
+    switch torch offers for this."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 class GroupState(enum.Enum):
@@ -41,6 +63,8 @@ class _PendingReduce:
     reduce_scatter: Pending
     all_reduce: Pending | None  # HSDP: issued right after the reduce-scatter, waited with it
     cpu_input: torch.Tensor | None  # CPU: kept alive until the async work is waited
+    params: list[ShardedParam]  # whose grads the output holds, at ``flat``'s offsets
+    flat: FlatLayout
 
 
 class ParamGroup:
@@ -62,6 +86,9 @@ class ParamGroup:
         self._pending_reduces: list[_PendingReduce] = []
         self._partial_reduce_output: torch.Tensor | None = None  # HSDP without all-reduce
         self._grad_flat: tuple[tuple[bool, ...], list[ShardedParam], FlatLayout] | None = None
+        # List units: the parameters of members that ran forward since the last synced backward;
+        # None: every parameter (one-module units). See design/hooks.md, "List units".
+        self._used: set[int] | None = None
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.reshard_after_backward = True
@@ -89,14 +116,35 @@ class ParamGroup:
 
     @property
     def grad_params(self) -> list[ShardedParam]:
-        return self._grad_layout()[0]
+        return [p for p in self.params if p.requires_grad]
+
+    def mark_used(self, params: list[ShardedParam]) -> None:
+        """A list unit's member ran forward with grad enabled: its ``params`` take part in the next
+        synced reduce (with zeros where this rank computed no gradient)."""
+        self._used = (self._used or set()) | {id(p) for p in params}
+
+    def clear_used(self) -> None:
+        if self._used is not None:
+            self._used = set()
+
+    def _reduced(self, p: ShardedParam) -> bool:
+        """Whether ``p`` takes part in a reduce: trainable and, in a list unit, under a member that ran
+        (or holding a gradient), so a member no rank ran keeps ``.grad = None`` as in torch."""
+        if not p.requires_grad:
+            return False
+        if self._used is None or id(p) in self._used:
+            return True
+        if not self.requires_all_reduce or self._partial_reduce_output is not None:
+            return True  # HSDP without all-reduce sums outputs across reduces: one layout
+        return p.unsharded_accumulated_grad is not None or (
+            p.unsharded_param is not None and p.unsharded_param.grad is not None)
 
     def _grad_layout(self) -> tuple[list[ShardedParam], FlatLayout]:
-        """The parameters that take gradients and their flat layout (the reduce-scatter buffers),
-        rebuilt only when a parameter's ``requires_grad`` changed."""
-        key = tuple(p.requires_grad for p in self.params)
+        """The parameters reduced now and their flat layout (the reduce-scatter buffers), rebuilt only
+        when that set changed."""
+        key = tuple(self._reduced(p) for p in self.params)
         if self._grad_flat is None or self._grad_flat[0] != key:
-            params = [p for p in self.params if p.requires_grad]
+            params = [p for p, reduced in zip(self.params, key) if reduced]
             self._grad_flat = (key, params, FlatLayout(tuple(p.layout for p in params)))
         return self._grad_flat[1], self._grad_flat[2]
 
@@ -138,6 +186,7 @@ class ParamGroup:
         return self.comm
 
     # --- unshard -------------------------------------------------------------------------------
+    @_outside_functorch
     def lazy_init(self, comm: CommContext) -> None:
         self.comm = comm
         for p in self.params:
@@ -145,6 +194,7 @@ class ParamGroup:
             p.init_unsharded(self.param_dtype, self.device)
         self._check_dtypes()
 
+    @_outside_functorch
     def unshard(self, phase: trace.Phase = trace.Phase.EXPLICIT, *, prefetch: bool = False) -> None:
         """Issue the all-gather (asynchronously); ``wait_for_unshard`` makes the params usable."""
         if self.state in (GroupState.UNSHARDED, GroupState.UNSHARDING) or not self.params:
@@ -188,6 +238,7 @@ class ParamGroup:
         ctx.wait_stream(ctx.stream("all_gather"), ctx.stream("all_gather_copy_in"))
         return ctx.issue("all_gather", lambda a: collectives.all_gather(out, over, a))
 
+    @_outside_functorch
     def wait_for_unshard(self, phase: trace.Phase = trace.Phase.EXPLICIT) -> None:
         """Finish the all-gather, copy out into the unsharded params and register them."""
         if self.state is GroupState.UNSHARDED or not self.params:
@@ -214,6 +265,7 @@ class ParamGroup:
         self._emit(trace.EventKind.UNSHARD, phase, nbytes=self.unsharded_nbytes, exposed_s=exposed)
 
     # --- reshard -------------------------------------------------------------------------------
+    @_outside_functorch
     def reshard(self, phase: trace.Phase = trace.Phase.EXPLICIT, *, partial: bool = False) -> None:
         """Free the unsharded params; with ``partial`` keep this rank's k-subgroup block first."""
         if self.state is GroupState.UNSHARDING:
@@ -279,20 +331,19 @@ class ParamGroup:
         if self.mesh_info.replicate_group is not None:
             output, all_reduce = self._all_reduce_replicas(out, pending)
         cpu_input = None if ctx.accelerated else inp
-        self._pending_reduces.append(_PendingReduce(output, pending, all_reduce, cpu_input))
+        self._pending_reduces.append(_PendingReduce(output, pending, all_reduce, cpu_input, params, flat))
         return True
 
     def finish_reduces(self) -> None:
         """Wait for this group's reduce-scatters (and HSDP all-reduces); assign sharded grads."""
         if not self._pending_reduces:
             return
-        params, flat = self._grad_layout()
         for item in self._pending_reduces:
             item.reduce_scatter.wait(self._comm)
             if item.all_reduce is not None:
                 item.all_reduce.wait(self._comm)
             if item.output is not None:
-                self._assign_grads(item.output, params, flat)
+                self._assign_grads(item.output, item.params, item.flat)
         self._pending_reduces.clear()
         self._emit(trace.EventKind.REDUCE_DONE, trace.Phase.BACKWARD)
 
@@ -319,11 +370,14 @@ class ParamGroup:
         return output, pending
 
     def _assign_grads(self, output: torch.Tensor, params: list[ShardedParam], flat: FlatLayout) -> None:
+        """Assign each parameter's rows as its sharded ``.grad``, then run its post-accumulate-grad
+        hooks (optimizer-in-backward), as autograd would for a leaf (design/hooks.md)."""
         rank = self.mesh_info.shard_rank
         with torch.no_grad():
             for p, offset in zip(params, flat.offsets):
                 local = output.narrow(0, offset, p.layout.local_numel(rank)).view(p.layout.local_shape(rank))
                 p.set_sharded_grad(local)
+                p.run_post_accumulate_grad_hooks()
 
     def __repr__(self) -> str:
         lines = [f"ParamGroup({self.fqn or '<root>'}, {self.state.name}, {len(self.params)} params)"]

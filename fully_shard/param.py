@@ -124,6 +124,14 @@ class ShardedParam:
             with torch.no_grad():
                 existing.to_local().add_(local_grad)
 
+    def run_post_accumulate_grad_hooks(self) -> None:
+        """Call the hooks registered with ``register_post_accumulate_grad_hook`` on the sharded
+        parameter: autograd never accumulates into it (it does into the unsharded one), so they run
+        here, once its sharded ``.grad`` is assigned. Torch keeps them in this attribute."""
+        hooks = getattr(self.sharded_param, "_post_accumulate_grad_hooks", None)
+        for hook in list((hooks or {}).values()):
+            hook(self.sharded_param)
+
     # --- unsharded form -----------------------------------------------------------------------
     def init_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:
         """Create the unsharded Parameter object once; storage stays freed until alloc_unsharded()."""

@@ -17,6 +17,7 @@ import torch.nn as nn
 from .checks import check_not_meta, check_same_structure
 from .group import GroupState, ParamGroup, ReduceQueue
 from .mesh import MeshInfo
+from .param import ShardedParam
 from .policy import MixedPrecisionPolicy
 from .streams import CommContext
 from .trace import Phase
@@ -61,7 +62,9 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None  # explicit; None means implicit
         self.backward_prefetch: list[FSDPState] | None = None
         self.is_last_backward = True
-        self._modules_to_run: set[nn.Module] = set()
+        self._modules_to_run: set[nn.Module] = set()  # list unit: members still to run this pass
+        self._awaits_post_backward = False  # this pass wrapped grad-requiring inputs in _PostBackward
+        self._member_params = _member_params(modules, group)  # list unit: params under each member
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook, prepend=False, with_kwargs=True)
@@ -125,11 +128,28 @@ class FSDPState:
         if self.training_state is TrainingState.PRE_BACKWARD:  # activation-checkpoint recompute
             if self.group is not None:
                 self.group.wait_for_unshard(Phase.BACKWARD)
-            return args, kwargs
-        if self._modules_to_run:  # a list unit whose first module already ran this forward
-            self._modules_to_run.discard(module)
-            return args, kwargs
-        self._modules_to_run = set(self.modules) - {module}
+            return self._cast_inputs(args, kwargs)  # the recompute sees the original forward's dtypes
+        # A list unit's pass starts with whichever member runs first; every member's call casts its
+        # inputs and makes sure the parameters are gathered (a member may run on its own, e.g. a
+        # chunked loss calling the lm_head of a [norm, lm_head] unit once per chunk).
+        first_in_pass = self.training_state is not TrainingState.FORWARD
+        if first_in_pass:
+            args, kwargs = self._start_pass(args, kwargs)
+        if self.group is not None and torch.is_grad_enabled() and self._member_params is not None:
+            self.group.mark_used(self._member_params[module])
+        args, kwargs = self._cast_inputs(args, kwargs)
+        if self.group is not None:
+            self.group.unshard(Phase.FORWARD)
+            self.group.wait_for_unshard(Phase.FORWARD)
+        if first_in_pass:
+            self._prefetch(self._forward_targets(), Phase.FORWARD)
+            self._awaits_post_backward = False
+            if torch.is_grad_enabled():
+                args, kwargs = _register_post_backward(self, args, kwargs)
+        return args, kwargs
+
+    def _start_pass(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._modules_to_run = set(self.modules)
         root = self._root
         if self.is_root:
             self._root_pre_forward()
@@ -137,37 +157,48 @@ class FSDPState:
         if not root.order_frozen and self not in root.forward_order:
             root.forward_order.append(self)
         self.training_state = TrainingState.FORWARD
-        args, kwargs = self._cast_inputs(args, kwargs)
-        if self.group is not None:
-            self.group.unshard(Phase.FORWARD)
-            self.group.wait_for_unshard(Phase.FORWARD)
-        self._prefetch(self._forward_targets(), Phase.FORWARD)
-        if torch.is_grad_enabled():
-            args, kwargs = _register_post_backward(self, args, kwargs)
         return args, kwargs
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if self.training_state is TrainingState.PRE_BACKWARD:
-            return output
-        if self._modules_to_run:  # wait until the last module of a list unit finished
-            return self._register_pre_backward(output) if torch.is_grad_enabled() else output
-        grad_enabled = torch.is_grad_enabled()
-        raf = self.effective_reshard_after_forward
-        if self.group is not None:
-            if not grad_enabled:  # no backward needs them; only an explicit False keeps them gathered
-                if self.reshard_after_forward is not False:
-                    self.group.reshard(Phase.FORWARD)
-            elif raf is True:
-                self.group.reshard(Phase.FORWARD)
-            elif raf is not False:
-                self.group.reshard(Phase.FORWARD, partial=True)
-        if grad_enabled:
+            return self._cast_output(output)
+        self._modules_to_run.discard(module)
+        if torch.is_grad_enabled():  # every member's outputs: a member's backward may come first
             output = self._register_pre_backward(output)
+        if not self._modules_to_run:  # the last member of a list unit (or the only module) finished
+            self._finish_pass()
+            if self.is_root:
+                self._finish_partial_passes()
+        return self._cast_output(output)
+
+    def _finish_pass(self) -> None:
+        """Post-forward of the whole unit: reshard as configured and go back to IDLE."""
+        self._modules_to_run = set()
         self.training_state = TrainingState.IDLE
-        if self.mp_policy.output_dtype is not None:
-            dtype = self.mp_policy.output_dtype
-            output = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)
-        return output
+        if self.group is None:
+            return
+        if not torch.is_grad_enabled():  # no backward needs them; only an explicit False keeps them
+            if self.reshard_after_forward is not False:
+                self.group.reshard(Phase.FORWARD)
+            return
+        raf = self.effective_reshard_after_forward
+        if raf is True:
+            self.group.reshard(Phase.FORWARD)
+        elif raf is not False:
+            self.group.reshard(Phase.FORWARD, partial=True)
+
+    def _finish_partial_passes(self) -> None:
+        """End of the root's forward: list units some of whose members did not run (a model forward
+        that skips the lm_head of a [norm, lm_head] unit) finish their pass now."""
+        for state in self._root.states:
+            if state is not self and state.training_state is TrainingState.FORWARD:
+                state._finish_pass()
+
+    def _cast_output(self, output: Any) -> Any:
+        dtype = self.mp_policy.output_dtype
+        if dtype is None:
+            return output
+        return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)
 
     def _root_pre_forward(self) -> None:
         root = self._root
@@ -221,18 +252,28 @@ class FSDPState:
         return output
 
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        root = self._root
-        if not root.callback_queued:
-            root.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._root_final_callback)
         if self.training_state is TrainingState.PRE_BACKWARD:
             return grad
+        # A list unit whose pass is still open (a member run on its own, e.g. once per loss chunk,
+        # each chunk with its own backward) is outside the model's step: its backward prefetches
+        # nothing and, when its post-backward will reduce, does not end the step (which would
+        # reshard the root and the units still waiting for the model's backward), as in torch.
+        partial_pass = self.training_state is TrainingState.FORWARD
+        if not (partial_pass and self._awaits_post_backward):
+            self._queue_final_callback()
         self.training_state = TrainingState.PRE_BACKWARD
         if self.group is not None:
             self.group.unshard(Phase.BACKWARD)
             self.group.wait_for_unshard(Phase.BACKWARD)
-        self._prefetch(self._backward_targets(), Phase.BACKWARD)
+        if not partial_pass:
+            self._prefetch(self._backward_targets(), Phase.BACKWARD)
         return grad
+
+    def _queue_final_callback(self) -> None:
+        root = self._root
+        if not root.callback_queued:
+            root.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._root_final_callback)
 
     def post_backward(self) -> None:
         """All gradients of this unit's parameters for one forward call are ready."""
@@ -260,8 +301,11 @@ class FSDPState:
                     self._reduce(group)
                 if group.state is not GroupState.SHARDED and group.reshard_after_backward:
                     group.reshard(Phase.BACKWARD)
+                if group.requires_gradient_sync:
+                    group.clear_used()
             state.training_state = TrainingState.IDLE
-        if self.is_last_backward:  # else finished by the next backward or the next forward
+            state._modules_to_run = set()  # a list unit's pass some of whose members never ran
+        if any(s.is_root and s.is_last_backward for s in root.states):  # else finished later
             root.reduces.drain()
         root.callback_queued = False
         root.order_frozen = True
@@ -269,27 +313,53 @@ class FSDPState:
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's forward inputs; its backward runs once their gradients are computed,
-    i.e. after the unit's own backward, and triggers the unit's post-backward."""
+    i.e. after the unit's own backward, and triggers the unit's post-backward.
+
+    Written in the ``setup_context`` form with a ``jvp`` and a generated vmap rule so that
+    torch.func transforms (jvp, vmap, grad) can run through a unit."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.state = state
+    def forward(state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         return inputs
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.state = inputs[0]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.state.post_backward()
         return (None, *grads)
 
+    @staticmethod
+    def jvp(ctx: Any, _state_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tangents
+
 
 def _register_post_backward(state: FSDPState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     flat = [t for t in tensors((args, kwargs)) if t.requires_grad]
     if not flat:
         return args, kwargs
+    state._awaits_post_backward = True
     outputs = _PostBackward.apply(state, *flat)
     replacement = {id(t): o for t, o in zip(flat, outputs)}
     swap: Callable[[torch.Tensor], torch.Tensor] = lambda t: replacement.get(id(t), t)  # noqa: E731
     return map_tensors(swap, args), map_tensors(swap, kwargs)
+
+
+def _member_params(modules: tuple[nn.Module, ...],
+                   group: ParamGroup | None) -> dict[nn.Module, list[ShardedParam]] | None:
+    """A list unit's parameters under each member module (None for a one-module unit): a member
+    that did not run forward leaves its parameters' grads None (design/hooks.md)."""
+    if len(modules) < 2 or group is None:
+        return None
+    found: dict[nn.Module, list[ShardedParam]] = {}
+    for member in modules:
+        subs = {id(m) for m in member.modules()}
+        found[member] = [p for p in group.params if any(id(m) in subs for m, _ in p.slots)]
+    return found
 
 
 def get_state(module: nn.Module) -> FSDPState | None:

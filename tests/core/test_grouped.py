@@ -1,0 +1,245 @@
+"""Grouped units ``fully_shard([norm, head])`` side by side with torch's fully_shard: per-member input
+casts, members run on their own (chunked losses), unused members, several partial forwards."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fully_shard import MixedPrecisionPolicy
+from tests.core.pairs import (
+    DIM,
+    LIBS,
+    Decoder,
+    ce_sum,
+    decoder_pair,
+    global_sum,
+    grads,
+    max_diff,
+    rank_rows,
+    reference_grads,
+    tokens,
+)
+from tests.distributed.counting import CountCollectives
+from tests.distributed.harness import distributed
+
+TOL = 1e-6
+
+
+# --- cast_forward_inputs on every member -----------------------------------------------------------
+class TwoStage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(DIM, DIM)
+        self.b = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).float())  # an fp32 tensor between the two members
+
+
+@distributed(world_size=2)
+def _cast_each_member() -> dict[str, Any]:
+    torch.manual_seed(0)
+    base = TwoStage()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    x = rank_rows(torch.randn(4, 3, DIM))
+    seen: dict[str, list[torch.dtype]] = {}
+    got = {}
+    for lib, make in LIBS.items():
+        model = copy.deepcopy(base)
+        make()([model.a, model.b], mp_policy=policy)
+        make()(model, mp_policy=policy)
+        seen[lib] = []
+        for m in (model.a, model.b):  # registered after fully_shard's: they see the cast inputs
+            m.register_forward_pre_hook(lambda _m, args, lib=lib: seen[lib].append(args[0].dtype))
+        out = model(x)
+        out.float().pow(2).mean().backward()
+        got[lib] = grads(model)
+        seen[lib].append(out.dtype)
+    assert seen["ours"] == seen["torch"] == [torch.bfloat16] * 3, seen
+    diff = max_diff(got["ours"], got["torch"])
+    assert diff < TOL, diff
+    return {"grad_diff": diff}
+
+
+def test_cast_forward_inputs_applies_to_each_member() -> None:
+    _cast_each_member()
+
+
+# --- a model forward that skips the head, then the head on its own per chunk ------------------------
+def _rel(a: float, b: float) -> float:
+    """|a - b| relative to |b| (a summed-over-ranks loss differs from the one-process loss in the
+    last float bits; the gradients are compared absolutely)."""
+    return abs(a - b) / max(1.0, abs(b))
+
+
+def _chunks_of(h: torch.Tensor, y: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return list(zip(h.chunk(n, dim=1), y.chunk(n, dim=1)))
+
+
+def chunked_head_loss(model: Decoder, h: torch.Tensor, y: torch.Tensor, n: int) -> torch.Tensor:
+    """The head called on its own once per sequence chunk, one graph: mean token loss."""
+    return torch.stack([ce_sum(model.head(hc), yc) for hc, yc in _chunks_of(h, y, n)]).sum() / y.numel()
+
+
+@distributed(world_size=2)
+def _partial_then_chunks(group_raf: bool, steps: int = 3) -> dict[str, float]:
+    ref, pair = decoder_pair(group_raf=group_raf)
+    opts = {lib: torch.optim.SGD(m.parameters(), lr=0.5) for lib, m in pair.items()}
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    worst = {"ref": 0.0, "torch": 0.0, "loss": 0.0, "loss_ref": 0.0}
+    for step in range(steps):
+        x, y = tokens(4, seed=step)
+        got, losses = {}, {}
+        for lib, model in pair.items():
+            loss = chunked_head_loss(model, model(rank_rows(x), skip_head=True), rank_rows(y), 4)
+            loss.backward()
+            got[lib], losses[lib] = grads(model), global_sum(loss)
+            opts[lib].step()
+            opts[lib].zero_grad()
+        ref_loss = ce_sum(ref(x), y) / rank_rows(y).numel()
+        want = reference_grads(ref, ref_loss)
+        ref_opt.step()
+        worst["ref"] = max(worst["ref"], max_diff(got["ours"], want))
+        worst["torch"] = max(worst["torch"], max_diff(got["ours"], got["torch"]))
+        worst["loss"] = max(worst["loss"], abs(losses["ours"] - losses["torch"]))
+        worst["loss_ref"] = max(worst["loss_ref"], _rel(losses["ours"], ref_loss.item()))
+    assert max(worst.values()) < TOL, worst
+    return worst
+
+
+@pytest.mark.parametrize("group_raf", [True, False])
+def test_member_runs_alone_after_partial_forward(group_raf: bool) -> None:
+    _partial_then_chunks(group_raf)
+
+
+# --- torchtitan's chunked loss: explicit unshard, no reshard, sync on the last chunk ----------------
+def titan_chunked_loss(model: Decoder, x: torch.Tensor, y: torch.Tensor, n_chunks: int,
+                       group_raf: bool) -> torch.Tensor:
+    """torchtitan's ``ChunkedLossWrapper`` flow (components/loss.py), in miniature."""
+    h = model(x, skip_head=True)
+    head: Any = model.head
+    chunks = [(hc.detach().requires_grad_(), yc) for hc, yc in _chunks_of(h, y, n_chunks)]
+    head.set_reshard_after_forward(False)
+    head.set_reshard_after_backward(False)
+    head.set_requires_gradient_sync(False, recurse=False)
+    head.unshard()
+    total = torch.zeros(())
+    for i, (hc, yc) in enumerate(chunks):
+        if i == n_chunks - 1:
+            head.set_requires_gradient_sync(True, recurse=False)
+        loss = ce_sum(head(hc), yc) / y.numel()
+        total = total + loss.detach()
+        loss.backward()
+    head.set_reshard_after_forward(group_raf)
+    head.set_reshard_after_backward(True)
+    head.reshard()
+    h.backward(torch.cat([hc.grad for hc, _ in chunks if hc.grad is not None], dim=1))
+    return total
+
+
+@distributed(world_size=2)
+def _titan_chunked(group_raf: bool, steps: int = 4) -> dict[str, Any]:
+    ref, pair = decoder_pair(group_raf=group_raf)
+    opts = {lib: torch.optim.AdamW(m.parameters(), lr=1e-2) for lib, m in pair.items()}
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    worst = {"ref": 0.0, "torch": 0.0, "loss": 0.0, "loss_ref": 0.0}
+    counts: dict[str, list[dict[str, int]]] = {lib: [] for lib in pair}
+    for step in range(steps):
+        x, y = tokens(4, seed=10 + step)
+        got, losses = {}, {}
+        for lib, model in pair.items():
+            with CountCollectives() as c:
+                loss = titan_chunked_loss(model, rank_rows(x), rank_rows(y), 4, group_raf)
+            counts[lib].append(dict(c.counts))
+            got[lib], losses[lib] = grads(model), global_sum(loss)
+            opts[lib].step()
+            opts[lib].zero_grad()
+        ref_loss = ce_sum(ref(x), y) / rank_rows(y).numel()  # the unchunked loss
+        want = reference_grads(ref, ref_loss)
+        ref_opt.step()
+        worst["ref"] = max(worst["ref"], max_diff(got["ours"], want))
+        worst["torch"] = max(worst["torch"], max_diff(got["ours"], got["torch"]))
+        worst["loss"] = max(worst["loss"], abs(losses["ours"] - losses["torch"]))
+        worst["loss_ref"] = max(worst["loss_ref"], _rel(losses["ours"], ref_loss.item()))
+    assert max(worst.values()) < TOL, worst
+    # From step 2 on (step 1 carries the lazy-init checks), the same collectives as torch.
+    assert counts["ours"][1:] == counts["torch"][1:], counts
+    return {**worst, "counts": counts["ours"][-1]}
+
+
+@pytest.mark.parametrize("group_raf", [True, False])
+def test_torchtitan_chunked_loss_matches_unchunked(group_raf: bool) -> None:
+    _titan_chunked(group_raf)
+
+
+# --- a member no rank runs keeps grad None; two partial forwards; accumulation over chunks ----------
+@distributed(world_size=2)
+def _unused_member() -> dict[str, float]:
+    ref, pair = decoder_pair()
+    x, _ = tokens(4, seed=3)
+    got = {}
+    for lib, model in pair.items():
+        model(rank_rows(x), skip_head=True).pow(2).mean().backward()
+        got[lib] = grads(model)
+    want = reference_grads(ref, ref(x, skip_head=True).pow(2).mean() * 2)  # the sum of the rank means
+    assert got["ours"]["head.weight"] is None and got["torch"]["head.weight"] is None
+    assert want["head.weight"] is None
+    diffs = {"torch": max_diff(got["ours"], got["torch"]), "ref": max_diff(got["ours"], want)}
+    assert max(diffs.values()) < TOL, diffs
+    return diffs
+
+
+def test_member_unused_on_every_rank_keeps_grad_none() -> None:
+    _unused_member()
+
+
+@distributed(world_size=2)
+def _double_partial_forward() -> dict[str, float]:
+    ref, pair = decoder_pair()
+    (x1, _), (x2, _) = tokens(4, seed=4), tokens(4, seed=5)
+    got = {}
+
+    def loss_of(model: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (model(a, skip_head=True) * model(b, skip_head=True)).sum() / a.numel()
+
+    for lib, model in pair.items():
+        loss_of(model, rank_rows(x1), rank_rows(x2)).backward()
+        got[lib] = grads(model)
+    want = reference_grads(ref, loss_of(ref, x1, x2) * 2)  # the global numel is W x the local one
+    assert got["ours"]["head.weight"] is None and got["torch"]["head.weight"] is None
+    diffs = {"torch": max_diff(got["ours"], got["torch"]), "ref": max_diff(got["ours"], want)}
+    assert max(diffs.values()) < TOL, diffs
+    return diffs
+
+
+def test_double_partial_forward_then_backward() -> None:
+    _double_partial_forward()
+
+
+@distributed(world_size=2)
+def _accumulate_chunked(n_micro: int = 3, n_chunks: int = 2) -> dict[str, float]:
+    ref, pair = decoder_pair()
+    micro = [tokens(4, seed=20 + i) for i in range(n_micro)]
+    got = {}
+    for lib, model in pair.items():
+        for i, (x, y) in enumerate(micro):
+            last = i == n_micro - 1
+            model.set_requires_gradient_sync(last)  # type: ignore[operator]
+            model.set_is_last_backward(last)  # type: ignore[operator]
+            loss = chunked_head_loss(model, model(rank_rows(x), skip_head=True), rank_rows(y), n_chunks)
+            loss.backward()
+        got[lib] = grads(model)
+    ref_loss = torch.stack([ce_sum(ref(x), y) for x, y in micro]).sum() / rank_rows(micro[0][1]).numel()
+    want = reference_grads(ref, ref_loss)
+    diffs = {"torch": max_diff(got["ours"], got["torch"]), "ref": max_diff(got["ours"], want)}
+    assert max(diffs.values()) < TOL, diffs
+    return diffs
+
+
+def test_gradient_accumulation_over_chunked_partial_forwards() -> None:
+    _accumulate_chunked()
