@@ -143,9 +143,9 @@ class CommContext:
         On accelerators the collective is issued synchronously inside the stream (the backend orders
         its own stream after it) and an event marks completion; on CPU it is issued with
         ``async_op=True`` and the work handle is waited just before use, so it overlaps compute.
-        ``free_when_done`` (CPU): an input nothing reads afterwards; its storage is released from the
-        backend's thread the moment the collective completes, not when the host waits for it (on
-        accelerators the buffer bookkeeping above does this job).
+        ``free_when_done`` (CPU): an input nothing reads afterwards; its storage is released by a helper
+        thread as soon as the collective completes, not when the host waits for it (on accelerators the
+        buffer bookkeeping above does this job).
         """
         timing = trace.CollectiveTiming() if trace.enabled() else None
         if not self.accelerated:
