@@ -290,7 +290,7 @@ class ParamGroup:
             with ctx.on(rs_stream):
                 out = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=self.device)
             pending = ctx.issue("reduce_scatter", lambda a: collectives.reduce_scatter(
-                out, inp, self.mesh_info.shard_group, collectives.AVG, a), free_when_done=inp)
+                out, inp, self.mesh_info.shard_group, collectives.AVG, a))
         if ctx.accelerated:  # keep the input until its collective is done (see streams.py)
             ctx.hold_reduce_scatter_input(inp, pending.event)
         self._emit(trace.EventKind.REDUCE_SCATTER, trace.Phase.BACKWARD,
@@ -357,23 +357,29 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class ReduceQueue:
-    """The groups of one root with reduces in flight, oldest first; ``push`` finishes the oldest
-    beyond ``max_in_flight`` so reduce buffers stay bounded instead of piling up until the end of
-    backward.
+    """The groups of one root with reduces in flight, oldest first. Before a group allocates its
+    reduce buffers, ``make_room`` finishes the oldest until fewer than ``max_in_flight`` remain, so at
+    most ``max_in_flight`` reduces (the new one included) are ever in flight and their buffers stay
+    bounded instead of piling up until the end of backward.
 
-    ``max_in_flight``: 2 on accelerators; 1 on CPU: a unit's reduce-scatter runs in gloo's thread
-    behind the next unit's backward and is finished when that unit pushes its own. Its input is freed
-    as soon as the collective completes (``CommContext.issue(free_when_done=...)``), so what stays
-    pinned is the reduced shard, which becomes the sharded grad anyway (design/data-path.md)."""
+    ``max_in_flight``: 2 on accelerators (one behind the next unit's backward while the newest is
+    issued); 1 on CPU: a unit's reduce-scatter runs in gloo's thread behind the next unit's backward
+    and is finished just before that unit allocates its own, so two reduce inputs never coexist. The
+    cost is that input while it runs, during the next unit's early backward; ``max_in_flight = 0``
+    finishes each reduce at once (no overlap). Figures in benchmarks/README.md; design/data-path.md."""
 
     def __init__(self, *, accelerated: bool) -> None:
         self.max_in_flight = 2 if accelerated else 1
         self._groups: deque[ParamGroup] = deque()
 
+    def make_room(self) -> None:
+        while self._groups and len(self._groups) >= self.max_in_flight:
+            self._groups.popleft().finish_reduces()
+
     def push(self, group: ParamGroup) -> None:
         if group not in self._groups:
             self._groups.append(group)
-        while len(self._groups) > self.max_in_flight:
+        while len(self._groups) > self.max_in_flight:  # 0: finish right away (no overlap)
             self._groups.popleft().finish_reduces()
 
     def drain(self) -> None:

@@ -13,8 +13,6 @@ cross-stream memory bookkeeping that replace ``record_stream``:
 from __future__ import annotations
 
 import contextlib
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -136,24 +134,18 @@ class CommContext:
     def hold_reduce_scatter_input(self, buffer: torch.Tensor, event: Any) -> None:
         self.reduce_scatter_state = (buffer, event)
 
-    def issue(self, stream_name: str, fn: Callable[[bool], dist.Work | None], *,
-              free_when_done: torch.Tensor | None = None) -> Pending:
+    def issue(self, stream_name: str, fn: Callable[[bool], dist.Work | None]) -> Pending:
         """Issue ``fn(async_op)`` on the named stream; return what to wait on before using its output.
 
         On accelerators the collective is issued synchronously inside the stream (the backend orders
         its own stream after it) and an event marks completion; on CPU it is issued with
         ``async_op=True`` and the work handle is waited just before use, so it overlaps compute.
-        ``free_when_done`` (CPU): an input nothing reads afterwards; its storage is released by a helper
-        thread as soon as the collective completes, not when the host waits for it (on accelerators the
-        buffer bookkeeping above does this job).
         """
         timing = trace.CollectiveTiming() if trace.enabled() else None
         if not self.accelerated:
             work = fn(True)
             if timing is not None and work is not None:
                 _time_completion(work, timing)
-            if free_when_done is not None and work is not None:
-                _release_after(work, free_when_done)
             return Pending(work=work, timing=timing)
         stream = self.stream(stream_name)
         with self.on(stream):
@@ -173,26 +165,3 @@ def _time_completion(work: dist.Work, timing: trace.CollectiveTiming) -> None:
 
     with contextlib.suppress(RuntimeError):  # no future on this backend: the profiler uses the wait's end
         work.get_future().add_done_callback(done)
-
-
-_RELEASES: queue.SimpleQueue[tuple[dist.Work, torch.Tensor]] = queue.SimpleQueue()
-_RELEASER: list[threading.Thread] = []
-
-
-def _release_after(work: dist.Work, tensor: torch.Tensor) -> None:
-    """CPU: free ``tensor``'s storage once ``work`` completes, from one daemon thread that blocks in
-    ``work.wait()`` (GIL released); gloo's reduce-scatter work has no future to attach a callback to."""
-    if not _RELEASER:
-        thread = threading.Thread(target=_release_loop, name="fully_shard-release", daemon=True)
-        thread.start()
-        _RELEASER.append(thread)
-    _RELEASES.put((work, tensor))
-
-
-def _release_loop() -> None:
-    while True:
-        work, tensor = _RELEASES.get()
-        with contextlib.suppress(Exception):  # a failed collective raises again where the host waits on it
-            work.wait()
-            tensor.untyped_storage().resize_(0)
-        del work, tensor
