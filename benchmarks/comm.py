@@ -12,6 +12,9 @@ SHARD_GRAD_OP gathers and reduce-scatters once (2P), DDP all-reduces once (P). "
 rank sends for that with ring algorithms: (W-1)/W of an all-gather/reduce-scatter buffer, 2(W-1)/W of an
 all-reduce buffer.
 
+Quantized all-gather: the FULL_SHARD bytes with bf16 parameters (fp32 reduce), and the same with
+``QuantizedAllGather(block_size=256)`` (int8 blocks + float32 scales, dequantized into bf16).
+
 Bandwidth: for each unit size, a raw ``all_gather_into_tensor`` of the same size (this transport's
 physical limit here) vs this library's unshard (copy-in + all-gather + copy-out, nothing else running)
 and vs the all-gathers inside training steps (issue -> done, while compute competes for the cores).
@@ -43,7 +46,7 @@ from _common import (
 )
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from fully_shard import fully_shard, profile
+from fully_shard import MixedPrecisionPolicy, QuantizedAllGather, fully_shard, profile
 
 MIB = 2**20
 CPU = torch.device("cpu")
@@ -70,14 +73,16 @@ def train(model: torch.nn.Module, cfg: GPTConfig, steps: int, batch: int, prof: 
             prof.step()
 
 
-def fsdp_bytes(base: GPT, cfg: GPTConfig, raf: bool, args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
+def fsdp_bytes(base: GPT, cfg: GPTConfig, raf: bool, args: argparse.Namespace, *, steps: int | None = None,
+               **kwargs: Any) -> tuple[dict[str, Any], Any]:
+    """Bytes per step under ``fully_shard(..., reshard_after_forward=raf, **kwargs)`` (profiler counts)."""
     model = copy.deepcopy(base)
     for blk in model.blocks:
-        fully_shard(blk, reshard_after_forward=raf)
-    fully_shard(model)
+        fully_shard(blk, reshard_after_forward=raf, **kwargs)
+    fully_shard(model, **kwargs)
     train(model, cfg, 1, args.batch)
     with profile(model) as prof:
-        train(model, cfg, args.steps, args.batch, prof)
+        train(model, cfg, steps or args.steps, args.batch, prof)
     s = prof.summary()
     return {"all_gather": s["all_gather_bytes"], "reduce_scatter": s["reduce_scatter_bytes"], "all_reduce": 0.0}, \
         (model, prof)
@@ -164,6 +169,9 @@ def main() -> None:
     measured["FULL_SHARD"], (model, prof) = fsdp_bytes(base, cfg, True, args)
     measured["SHARD_GRAD_OP"], _ = fsdp_bytes(base, cfg, False, args)
     measured["DDP"] = ddp_bytes(base, cfg, args)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    quantized = {name: fsdp_bytes(base, cfg, True, args, steps=1, mp_policy=bf16, **extra)[0]
+                 for name, extra in (("bf16", {}), ("int8", {"all_gather_policy": QuantizedAllGather()}))}
     reference = copy.deepcopy(base)
     for blk in reference.blocks:
         torch_fully_shard(blk)
@@ -187,6 +195,11 @@ def main() -> None:
         rank0_print(f"{name:<14}{m['all_gather'] / MIB:>12.2f}{m['reduce_scatter'] / MIB:>12.2f}"
                     f"{m['all_reduce'] / MIB:>12.2f}{total / MIB:>10.2f}{total / p_all:>7.2f}{low / MIB:>10.2f}"
                     f"{total / low:>8.3f}{wire / MIB:>11.2f}")
+    rank0_print("\nquantized all-gather (FULL_SHARD, bf16 params, fp32 reduce; QuantizedAllGather(block_size=256))")
+    rank0_print(header(f"{'all-gather':<14}{'all-gather':>12}{'reduce-scat':>12}{'vs bf16 AG':>12}", "   (MiB)"))
+    for name, m in quantized.items():
+        rank0_print(f"{name:<14}{m['all_gather'] / MIB:>12.2f}{m['reduce_scatter'] / MIB:>12.2f}"
+                    f"{m['all_gather'] / quantized['bf16']['all_gather']:>12.4f}")
     rank0_print("\nall-gather bandwidth (MiB/s, algorithm bandwidth = gathered bytes / time)")
     head = f"{'unit':<10}{'MiB':>7}{'raw AG':>10}{'ours unshard':>14}{'/raw':>7}{'torch unshard':>15}{'/raw':>7}" \
            f"{'in-step AG':>12}{'raw RS':>10}{'in-step RS':>12}"
@@ -200,7 +213,8 @@ def main() -> None:
                 "freshly allocated params) with nothing else running; in-step = issue -> done inside training steps "
                 "(the collective shares the cores with compute)")
     if args.json is not None and dist.get_rank() == 0:
-        args.json.write_text(json.dumps({"bytes": rows, "bandwidth": bw, "machine": machine()}, indent=1))
+        args.json.write_text(json.dumps({"bytes": rows, "quantized": quantized, "bandwidth": bw,
+                                         "machine": machine()}, indent=1))
     dist.destroy_process_group()
 
 

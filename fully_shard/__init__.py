@@ -7,7 +7,14 @@ from .api import fully_shard
 from .clip import clip_grad_norm_, total_grad_norm
 from .init import default_init, materialize_meta_module
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
-from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
+from .policy import (
+    AllGatherPolicy,
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    QuantizedAllGather,
+    ShardingStrategy,
+)
 from .tools.profile import Profiler, profile
 from .trace import EventKind, Phase
 from .wrap import (
@@ -23,6 +30,7 @@ from .wrap import (
 )
 
 __all__ = [
+    "AllGatherPolicy",
     "CPUOffloadPolicy",
     "EventKind",
     "FSDPModule",
@@ -34,6 +42,7 @@ __all__ = [
     "Phase",
     "PredicatePolicy",
     "Profiler",
+    "QuantizedAllGather",
     "ShardingStrategy",
     "UnitReport",
     "UnshardHandle",

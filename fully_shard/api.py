@@ -20,7 +20,14 @@ from .mesh import MeshInfo, default_mesh, subgroup
 from .module import FSDPModule
 from .optimizer import track as track_for_optimizer
 from .param import ShardedParam
-from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_reshard_after_forward
+from .policy import (
+    AllGatherPolicy,
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    check_all_gather_policy,
+    check_reshard_after_forward,
+)
 from .state import FSDPState, get_state
 from .tree import join_fqn
 
@@ -38,17 +45,21 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
                 shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params: set[nn.Parameter] | None = None) -> M:
+                ignored_params: set[nn.Parameter] | None = None,
+                all_gather_policy: AllGatherPolicy = AllGatherPolicy()) -> M:
     """Shard ``module``'s parameters (not those of nested fully_shard units) along dim 0 over ``mesh``.
 
     A list makes one unit of several modules (the fix for tied parameters, e.g. an embedding and an
     lm_head sharing one weight). Returns the same module object, its class swapped to ``FSDP<Name>``.
+    ``all_gather_policy=QuantizedAllGather(block_size=256)`` (not in torch's signature) gathers int8
+    blocks + scales instead of ``param_dtype`` values (design/quantized-all-gather.md).
     """
     modules = _as_modules(module)
     mesh = mesh if mesh is not None else default_mesh()
     mesh_info = MeshInfo.of(mesh)
     device = mesh_info.device
     check_reshard_after_forward(reshard_after_forward, mesh_info.shard_world)
+    check_all_gather_policy(all_gather_policy, reshard_after_forward, mesh_info.shard_world)
     storage_device = _storage_device(offload_policy, device)
     ignored = {id(p) for p in (ignored_params or ())}
     slots = _managed_slots(modules, ignored)
@@ -58,7 +69,8 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
         _move_buffers(m, device)
     k_subgroup = subgroup(mesh, mesh_info, reshard_after_forward)
     unit_name = ", ".join(type(m).__name__ for m in modules)
-    group = ParamGroup(params, "", mesh_info, device, mp_policy, k_subgroup) if params else None
+    group = ParamGroup(params, "", mesh_info, device, mp_policy, k_subgroup,
+                       all_gather_policy=all_gather_policy) if params else None
     for p in params:
         p.register_sharded()
         _set_owner(p.sharded_param, f"{unit_name} (param {p.fqn!r})")

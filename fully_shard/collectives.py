@@ -4,7 +4,8 @@ See design/data-path.md. Data path: pack -> all-gather -> unpack; pack -> reduce
 all-reduce). A group's tensors are laid out by ``layout.FlatLayout``: every rank owns one segment of
 ``shard_numel`` elements, each tensor's padded shard at a fixed offset inside it. The all-gather is in
 place (this rank's segment of the output is the input), so an unshard allocates one buffer; copy-out
-is one ``split_with_sizes_copy`` into the unsharded parameters. The k-rank partial all-gather
+is one ``split_with_sizes_copy`` into the unsharded parameters (``QuantizedAllGather``: the segment is
+int8 blocks + scales packed as bytes, dequantized before that copy; quantize.py). The k-rank partial all-gather
 (reshard_after_forward=k) is the same call over a ``SubgroupInfo`` of k ranks. Control plane: the
 structure check at lazy init, gradient-norm sums (clip.py) and meta-init broadcasts (init.py).
 """
@@ -18,9 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import quantize
 from .layout import FlatLayout
 from .mesh import SubgroupInfo
 from .param import ShardedParam
+from .quantize import BlockLayout
 
 AVG: dist.ReduceOp = dist.ReduceOp.AVG  # type: ignore[assignment]  # NCCL and gloo both average
 
@@ -83,15 +86,54 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup) -> list[Any]:
 
 def all_gather_copy_out(out: torch.Tensor, params: Sequence[ShardedParam], flat: FlatLayout) -> None:
     """Scatter the gathered buffer into each parameter's (padded) unsharded storage: one op."""
-    world = flat.world
-    rows = out.view(world, flat.shard_numel)
-    outs = [rows.new_empty((world, size)) if p.layout.replicated else p.unsharded_write.view(world, size)
-            for p, size in zip(params, flat.sizes)]
+    _scatter_rows(out.view(flat.world, flat.shard_numel), params, flat.sizes)
+
+
+def _scatter_rows(rows: torch.Tensor, params: Sequence[ShardedParam], sizes: Sequence[int],
+                  pads: Sequence[int] | None = None) -> None:
+    """``rows`` ``(world, ...)`` holds each parameter's ``sizes[i]`` values per rank, followed by
+    ``pads[i]`` values to drop; copy them into the unsharded storages with one split."""
+    world = rows.shape[0]
+    outs, split, replicated = [], [], []
+    for i, (p, size) in enumerate(zip(params, sizes)):
+        if p.layout.replicated:
+            replicated.append((p, rows.new_empty((world, size))))
+        outs.append(replicated[-1][1] if p.layout.replicated else p.unsharded_write.view(world, size))
+        split.append(size)
+        if pads is not None and pads[i]:
+            outs.append(rows.new_empty((world, pads[i])))
+            split.append(pads[i])
     if outs:
-        torch.split_with_sizes_copy(rows, list(flat.sizes), dim=1, out=outs)
-    for p, dst in zip(params, outs):
-        if p.layout.replicated:  # every rank's slot holds the same value: take rank 0's
-            p.unsharded_write.copy_(dst[0])
+        torch.split_with_sizes_copy(rows, split, dim=1, out=outs)
+    for p, dst in replicated:  # every rank's slot holds the same value: take rank 0's
+        p.unsharded_write.copy_(dst[0])
+
+
+def quantized_all_gather_copy_in(params: Sequence[ShardedParam], blocks: BlockLayout, rank: int, world: int,
+                                 device: torch.device) -> torch.Tensor:
+    """QuantizedAllGather: allocate the gathered uint8 buffer (``world`` packed segments) and quantize
+    this rank's padded shards, each padded to whole blocks, into its own segment (quantize.py)."""
+    out = torch.empty(world * blocks.packed_nbytes, dtype=torch.uint8, device=device)
+    parts = []
+    for p, block_pad in zip(params, blocks.pieces[1::2]):
+        parts += p.copy_in_parts()
+        if block_pad:
+            parts.append(parts[-1].new_zeros(block_pad))
+    if parts and parts[0].device != device:  # CPU offload: shards live on the host
+        parts = [part.to(device, non_blocking=True) for part in parts]
+    if parts:
+        quantize.pack(torch.cat(parts), blocks, _segment(out, rank, world))
+    return out
+
+
+def quantized_all_gather_copy_out(out: torch.Tensor, params: Sequence[ShardedParam], blocks: BlockLayout,
+                                  dtype: torch.dtype) -> None:
+    """Dequantize every rank's packed segment into ``dtype`` and copy it into the unsharded storages
+    (one dequantize into a ``(world, blocked_numel)`` buffer, one split that drops the block padding)."""
+    rows = out.view(-1, blocks.packed_nbytes)
+    values = quantize.dequantize(quantize.data_view(rows, blocks), quantize.scales_view(rows, blocks),
+                                 blocks.block_size, dtype)
+    _scatter_rows(values, params, blocks.pieces[0::2], blocks.pieces[1::2])
 
 
 def partial_shard_copy_in(params: Sequence[ShardedParam], flat: FlatLayout,

@@ -27,7 +27,8 @@ from . import collectives, trace
 from .layout import FlatLayout
 from .mesh import MeshInfo, SubgroupInfo
 from .param import ShardedParam
-from .policy import MixedPrecisionPolicy
+from .policy import AllGatherPolicy, MixedPrecisionPolicy, QuantizedAllGather
+from .quantize import BlockLayout
 from .streams import CommContext, Pending
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -71,7 +72,8 @@ class ParamGroup:
     """All managed parameters of one fully_shard call, communicated together."""
 
     def __init__(self, params: list[ShardedParam], fqn: str, mesh_info: MeshInfo, device: torch.device,
-                 mp_policy: MixedPrecisionPolicy, subgroup: SubgroupInfo | None) -> None:
+                 mp_policy: MixedPrecisionPolicy, subgroup: SubgroupInfo | None, *,
+                 all_gather_policy: AllGatherPolicy = AllGatherPolicy()) -> None:
         self.params = params
         self.fqn = fqn
         self.mesh_info = mesh_info
@@ -79,6 +81,9 @@ class ParamGroup:
         self.mp_policy = mp_policy
         self.subgroup = subgroup
         self.flat = FlatLayout(tuple(p.layout for p in params))
+        # QuantizedAllGather: the int8 blocks of one rank's segment (design/quantized-all-gather.md)
+        self.blocks = (BlockLayout(self.flat.sizes, all_gather_policy.block_size)
+                       if isinstance(all_gather_policy, QuantizedAllGather) else None)
         self.state = GroupState.SHARDED
         self.comm: CommContext | None = None  # the root's, set at lazy init
         self._pending_unshard: tuple[torch.Tensor, Pending, trace.Event | None] | None = None
@@ -96,6 +101,8 @@ class ParamGroup:
 
     # --- dtypes ---------------------------------------------------------------------------------
     def _check_dtypes(self) -> None:
+        if self.blocks is not None:
+            self._check_quantizable()
         if self.mp_policy.param_dtype is not None or not self.params:
             return
         dtypes = {p.orig_dtype for p in self.params}
@@ -105,6 +112,14 @@ class ParamGroup:
                 f"fully_shard({self.fqn or '<root>'}) groups parameters of several dtypes ({found}); one "
                 "all-gather moves one dtype. Fix: pass mp_policy=MixedPrecisionPolicy(param_dtype=...) "
                 "or shard the differing submodules in their own fully_shard calls.")
+
+    def _check_quantizable(self) -> None:
+        bad = [f"{p.fqn}: {p.orig_dtype}" for p in self.params if not p.orig_dtype.is_floating_point]
+        if bad or not self.param_dtype.is_floating_point:
+            raise ValueError(
+                f"fully_shard({self.fqn or '<root>'}) with QuantizedAllGather: int8 blocks quantize floating-point "
+                f"parameters into a floating param_dtype; found {', '.join(bad) or self.param_dtype}. Fix: pass "
+                "those parameters in ignored_params, or shard them in a fully_shard call without the policy.")
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -225,6 +240,9 @@ class ParamGroup:
         ctx.wait_stream(copy_in_stream, ctx.current_stream())
         with ctx.on(copy_in_stream):
             ctx.release_all_gather_buffer()
+            if self.blocks is not None:  # (never partial: check_all_gather_policy)
+                return collectives.quantized_all_gather_copy_in(self.params, self.blocks, self.mesh_info.shard_rank,
+                                                                self.flat.world, self.device)
             if not partial:
                 return collectives.all_gather_copy_in(self.params, self.flat, self.mesh_info.shard_rank,
                                                       self.param_dtype, self.device)
@@ -257,7 +275,10 @@ class ParamGroup:
         with torch.no_grad():
             for p in self.params:
                 p.alloc_unsharded()
-            collectives.all_gather_copy_out(out, self.params, self.flat)
+            if self.blocks is not None:
+                collectives.quantized_all_gather_copy_out(out, self.params, self.blocks, self.param_dtype)
+            else:
+                collectives.all_gather_copy_out(out, self.params, self.flat)
         self._comm.hold_all_gather_buffer(out)
         for p in self.params:
             p.register_unsharded()
@@ -390,23 +411,29 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class ReduceQueue:
-    """The groups of one root with reduces in flight, oldest first; ``push`` finishes the oldest
-    beyond ``max_in_flight`` so reduce buffers stay bounded instead of piling up until the end of
-    backward.
+    """The groups of one root with reduces in flight, oldest first. Before a group allocates its
+    reduce buffers, ``make_room`` finishes the oldest until fewer than ``max_in_flight`` remain, so at
+    most ``max_in_flight`` reduces (the new one included) are ever in flight and their buffers stay
+    bounded instead of piling up until the end of backward.
 
-    ``max_in_flight``: 2 on accelerators; 0 on CPU (finish right away), where a reduce in flight pins
-    its input and output (1.5x the unit) through the next unit's backward while its gloo thread
-    competes with that compute for the same cores: measured no faster on 2 ranks x 1 core, ~20 MB
-    higher peak RSS on the 50M-parameter benchmark (benchmarks/memory.py)."""
+    ``max_in_flight``: 2 on accelerators (one behind the next unit's backward while the newest is
+    issued); 1 on CPU: a unit's reduce-scatter runs in gloo's thread behind the next unit's backward
+    and is finished just before that unit allocates its own, so two reduce inputs never coexist. The
+    cost is that input while it runs, during the next unit's early backward; ``max_in_flight = 0``
+    finishes each reduce at once (no overlap). Figures in benchmarks/README.md; design/data-path.md."""
 
     def __init__(self, *, accelerated: bool) -> None:
-        self.max_in_flight = 2 if accelerated else 0
+        self.max_in_flight = 2 if accelerated else 1
         self._groups: deque[ParamGroup] = deque()
+
+    def make_room(self) -> None:
+        while self._groups and len(self._groups) >= self.max_in_flight:
+            self._groups.popleft().finish_reduces()
 
     def push(self, group: ParamGroup) -> None:
         if group not in self._groups:
             self._groups.append(group)
-        while len(self._groups) > self.max_in_flight:
+        while len(self._groups) > self.max_in_flight:  # 0: finish right away (no overlap)
             self._groups.popleft().finish_reduces()
 
     def drain(self) -> None:

@@ -1,5 +1,5 @@
-"""Frozen policy types users pass to fully_shard: mixed precision, offload, sharding strategy, and the
-check of a reshard_after_forward value."""
+"""Frozen policy types users pass to fully_shard: mixed precision, offload, all-gather format, sharding
+strategy, and the checks of a reshard_after_forward value and of what a quantized all-gather can do."""
 
 from __future__ import annotations
 
@@ -39,6 +39,41 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+@dataclass(frozen=True)
+class AllGatherPolicy:
+    """What a unit's all-gather moves: by default the parameters at ``param_dtype``."""
+
+
+@dataclass(frozen=True)
+class QuantizedAllGather(AllGatherPolicy):
+    """All-gather int8 values with one float32 scale per ``block_size`` values (ZeRO++'s qwZ), then
+    dequantize into ``param_dtype``. Blocks never straddle ranks or parameters; the sharded master
+    parameters, the optimizer and the gradient reduce-scatter keep their dtypes.
+    See design/quantized-all-gather.md.
+    """
+
+    block_size: int = 256
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"QuantizedAllGather(block_size={self.block_size!r}): expected a positive int "
+                             "(values per scale). Fix: e.g. QuantizedAllGather(block_size=256).")
+
+
+def check_all_gather_policy(policy: Any, reshard_after_forward: bool | int | None, shard_world: int) -> None:
+    """An ``AllGatherPolicy``; a quantized one cannot re-gather a k-rank partial shard (it holds
+    dequantized ``param_dtype`` values, not the int8 blocks)."""
+    if not isinstance(policy, AllGatherPolicy):
+        raise TypeError(f"all_gather_policy must be an AllGatherPolicy, got {type(policy).__name__}: "
+                        f"{policy!r:.80}. Fix: all_gather_policy=QuantizedAllGather(block_size=256).")
+    k = reshard_after_forward
+    if isinstance(policy, QuantizedAllGather) and isinstance(k, int) and not isinstance(k, bool) \
+            and 1 < k < shard_world:
+        raise ValueError(f"{policy!r} with reshard_after_forward={k}: a partial reshard keeps dequantized values "
+                         "and re-gathers them unquantized, which this policy does not do. Fix: "
+                         "reshard_after_forward=True or False with QuantizedAllGather, or drop the policy.")
 
 
 class ShardingStrategy(enum.Enum):

@@ -288,8 +288,11 @@ class FSDPState:
 
     def _reduce(self, group: ParamGroup) -> None:
         """Reduce-scatter ``group``'s grads and queue it; the root's queue decides when it finishes."""
+        reduces = self._root.reduces
+        if group.requires_gradient_sync:
+            reduces.make_room()  # before this group's reduce buffers are allocated
         if group.reduce_grads(reshard_first=group.reshard_after_backward):
-            self._root.reduces.push(group)
+            reduces.push(group)
 
     def _root_final_callback(self) -> None:
         """End of backward: reduce what no post-backward hook caught, reshard, finish reduces."""
