@@ -321,6 +321,19 @@ def _refresh(cached: _LocalGroup, params: list[torch.Tensor], keys: frozenset[st
     return True
 
 
+class _GradProof(tuple):  # type: ignore[type-arg]
+    """(a parameter's placements object, the local tensor of a DTensor gradient), set on that gradient.
+    A deep copy or a pickle of the gradient gets None instead: its local tensor is another object."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(None), ()
+
+
 def _local_grads(cached: _LocalGroup, grads: tuple[Any, ...]) -> tuple[torch.Tensor | None, ...] | None:
     """The gradients' local tensors (None for a parameter without one); None if a gradient is not a
     DTensor laid out like its parameter.
@@ -328,7 +341,8 @@ def _local_grads(cached: _LocalGroup, grads: tuple[Any, ...]) -> tuple[torch.Ten
     A gradient checked once carries the proof on itself (``_GRAD_PROOF_ATTR``: its parameter's
     placements object and its local tensor, which it holds anyway), so a gradient that outlives the
     step (``zero_grad(set_to_none=False)``, accumulation) is not checked again. ``swap_tensors`` on a
-    gradient swaps its ``__dict__`` with its contents, so the proof stays with the local it names."""
+    gradient swaps its ``__dict__`` with its contents, so the proof stays with the local it names; a
+    copy does not inherit it (``_GradProof``)."""
     proofs: tuple[Any, ...] = tuple(map(getattr, grads, repeat(_GRAD_PROOF_ATTR), repeat(None)))
     try:
         if all(map(_is, map(_first, proofs), cached.placements)):
@@ -340,7 +354,7 @@ def _local_grads(cached: _LocalGroup, grads: tuple[Any, ...]) -> tuple[torch.Ten
         if tuple(map(_placements_of, grads)) != cached.placements:
             return None
         local_grads = tuple(map(DTensor.to_local, grads))
-        for grad, new_proof in zip(grads, zip(cached.placements, local_grads)):
+        for grad, new_proof in zip(grads, map(_GradProof, zip(cached.placements, local_grads))):
             setattr(grad, _GRAD_PROOF_ATTR, new_proof)
         return local_grads
     mixed: list[torch.Tensor | None] = []
@@ -351,7 +365,7 @@ def _local_grads(cached: _LocalGroup, grads: tuple[Any, ...]) -> tuple[torch.Ten
         if type(grad) is not DTensor or not _same(grad.placements, placements):
             return None
         local_grad = grad.to_local()
-        setattr(grad, _GRAD_PROOF_ATTR, (placements, local_grad))
+        setattr(grad, _GRAD_PROOF_ATTR, _GradProof((placements, local_grad)))
         mixed.append(local_grad)
     return tuple(mixed)
 

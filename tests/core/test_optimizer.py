@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -272,6 +273,15 @@ def _replaced_between_steps() -> list[str]:
         opt.zero_grad(set_to_none=False)
 
     fast_paths, _ = lockstep(pair, steps=6, step=step)
+    # a checked gradient carries its proof; a deep copy's or a pickle's local is another tensor: none
+    grad = next(pair[0][0].parameters()).grad
+    assert isinstance(getattr(grad, "_fully_shard_local_grad", None), tuple)
+    buffer = io.BytesIO()
+    torch.save(grad, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(grad), torch.load(buffer, weights_only=False)):
+        assert getattr(copied, "_fully_shard_local_grad", None) is None
+        assert torch.equal(copied.to_local(), grad.to_local())  # type: ignore[union-attr]
     return fast_paths
 
 
