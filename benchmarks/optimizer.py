@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from _common import init, launch_if_needed, machine, median, rank0_print, timed_max
+from _common import init, launch_if_needed, machine, median, rank0_print, timed_step
 from torch.distributed.tensor import DTensor
 
 from fully_shard import fully_shard
@@ -114,7 +114,7 @@ def measure(variants: dict[str, tuple[torch.optim.Optimizer, StepPath, nn.Module
         for v in order[r % len(order):] + order[:r % len(order)]:
             opt, path, _ = variants[v]
             spent: list[float] = []
-            wall[v].append(timed_max(run_steps(opt, path, steps, spent), device) / steps * 1e3)
+            wall[v].append(timed_step(run_steps(opt, path, steps, spent), device) / steps * 1e3)
             slowest = torch.tensor(spent, dtype=torch.float64)
             torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
             cpu[v].append(float(slowest.item()) / steps * 1e3)

@@ -21,6 +21,7 @@ import operator
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, Protocol
 
 import torch
@@ -35,6 +36,8 @@ __all__ = ["StepPath", "get_step_path", "set_step_path"]
 _OWNER_ATTR = "_fully_shard_owner"
 _REPLACED_ATTR = "_fully_shard_replaced"
 _TOKEN_ATTR = "_fully_shard_view_token"  # an int: cheap to pickle and deepcopy, unlike the view itself
+# On a DTensor gradient this module checked: (its parameter's placements object, its local tensor).
+_GRAD_PROOF_ATTR = "_fully_shard_local_grad"
 # State entries kept as plain tensors by the DTensor path (a scalar step count), passed through as is.
 _SCALAR_KEYS = frozenset({"step"})
 
@@ -58,7 +61,7 @@ _tracked: weakref.WeakSet[Any] = weakref.WeakSet()  # live ShardedParams (not th
 _plans: weakref.WeakKeyDictionary[Optimizer, _Plan] = weakref.WeakKeyDictionary()
 _epoch = 0  # counts fully_shard calls: a plan made before one must re-check for replaced parameters
 _tokens = itertools.count()
-_with_grad: list[torch.Tensor] = []  # cached local views whose .grad the running step uses
+_with_grad: list[Iterable[torch.Tensor]] = []  # cached local views whose .grad the running step uses
 _installed = False
 
 
@@ -141,8 +144,9 @@ def _post_step(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, An
 
 def _drop_local_grads() -> None:
     """The cached views must not keep gradients alive after the step (``zero_grad`` would free them)."""
-    for local in _with_grad:
-        local.grad = None
+    for views in _with_grad:
+        for view in views:
+            view.grad = None
     _with_grad.clear()
 
 
@@ -161,6 +165,15 @@ def _refuse_replaced(optimizer: Optimizer, params: list[torch.Tensor] | None = N
 
 
 # --- the local stand-in, cached per optimizer and re-validated every step --------------------------
+# The per-step checks read their columns in bulk (map over C getters): a Python loop per parameter
+# would cost about as much as a plain step's own per-parameter work (design/optimizer-step.md, Cache).
+_is = operator.is_
+_grad_of = operator.attrgetter("grad")
+_token_of = operator.attrgetter(_TOKEN_ATTR)
+_placements_of = operator.attrgetter("placements")
+_first, _second = operator.itemgetter(0), operator.itemgetter(1)
+
+
 @dataclass(eq=False, slots=True)
 class _Slot:
     """One of our parameters in a local group: its cached shard view and the state entry it mirrors."""
@@ -180,6 +193,60 @@ class _LocalGroup:
     keys: frozenset[str]
     local_params: list[torch.Tensor]  # handed to step(): ours replaced by their views
     slots: list[_Slot]
+    mirrored: bool = False  # every slot's entry was checked (then ``entries``, ``lengths`` and ``columns`` hold it)
+    # the slots' columns, compared in bulk each step
+    ours: tuple[torch.Tensor, ...] = field(init=False)
+    tokens: tuple[int, ...] = field(init=False)
+    views: tuple[torch.Tensor, ...] = field(init=False)
+    placements: tuple[tuple[Any, ...], ...] = field(init=False)
+    entries: tuple[dict[str, Any], ...] = ()
+    lengths: tuple[int, ...] = ()
+    columns: tuple[tuple[Callable[[dict[str, Any]], Any], tuple[Any, ...]], ...] = ()  # (getter, values) per key
+
+    def __post_init__(self) -> None:
+        self.ours = tuple(slot.param for slot in self.slots)
+        self.tokens = tuple(slot.token for slot in self.slots)
+        self.views = tuple(slot.local for slot in self.slots)
+        self.placements = tuple(slot.placements for slot in self.slots)
+        self.remember_entries(self.mirrored)
+
+    def remember_entries(self, mirrored: bool) -> None:
+        """After every slot's entry was checked (``mirrored``): keep them as columns to compare in bulk."""
+        self.mirrored = mirrored
+        if mirrored and self.keys:
+            self.entries = tuple(slot.entry for slot in self.slots)  # type: ignore[misc]  # all set when mirrored
+            self.lengths = tuple(map(len, self.entries))
+            self.columns = tuple((operator.itemgetter(k), tuple(map(operator.itemgetter(k), self.entries)))
+                                 for k in self.keys)
+
+    def entries_unchanged(self) -> bool:
+        """The remembered entries still hold the same keys and value objects (a user or a checkpoint
+        loader may have replaced ``state[p]["exp_avg"]``). Valid while the plan's snapshot matches."""
+        if not self.mirrored or tuple(map(len, self.entries)) != self.lengths:
+            return False
+        try:
+            return all(all(map(_is, map(getter, self.entries), values)) for getter, values in self.columns)
+        except KeyError:
+            return False
+
+
+@dataclass(eq=False, slots=True)
+class _StateSnapshot:
+    """The real ``optimizer.state``'s keys and entries as the last pre-hook left them: when they are the
+    same objects again, each cached slot's entry is still ``state[param]``, proven without a lookup per
+    parameter (a DTensor key's ``__hash__`` is Python-level)."""
+
+    state: dict[Any, dict[str, Any]]
+    keys: tuple[Any, ...]
+    entries: tuple[dict[str, Any], ...]
+
+    @classmethod
+    def of(cls, state: dict[Any, dict[str, Any]]) -> _StateSnapshot:
+        return cls(state, tuple(state), tuple(state.values()))
+
+    def matches(self, state: dict[Any, dict[str, Any]]) -> bool:
+        return (state is self.state and len(state) == len(self.keys) and all(map(_is, state, self.keys))
+                and all(map(_is, state.values(), self.entries)))
 
 
 @dataclass(eq=False)
@@ -188,6 +255,7 @@ class _Plan:
     groups_seen: int
     local_state: _LocalState
     groups: dict[int, _LocalGroup] = field(default_factory=dict)  # by param group index
+    snapshot: _StateSnapshot | None = None
 
 
 def _local_optimizer(optimizer: Optimizer, plan: _Plan,
@@ -196,11 +264,12 @@ def _local_optimizer(optimizer: Optimizer, plan: _Plan,
     state = optimizer.state
     local_state = plan.local_state
     local_state.real = state  # load_state_dict() replaces it
+    unchanged = plan.snapshot is not None and plan.snapshot.matches(state)
     groups, any_local = [], False
     for i, group in enumerate(optimizer.param_groups):
         keys = state_keys(group)
         cached = plan.groups.get(i)
-        if keys is None or cached is None or not _refresh(cached, group["params"], keys, state, local_state):
+        if keys is None or cached is None or not _refresh(cached, group["params"], keys, state, local_state, unchanged):
             _refuse_replaced(optimizer, group["params"])  # the group's list may have been edited
             if cached is not None:
                 for slot in plan.groups.pop(i).slots:
@@ -213,6 +282,7 @@ def _local_optimizer(optimizer: Optimizer, plan: _Plan,
         else:
             any_local = True
             groups.append({**group, "params": cached.local_params})
+    plan.snapshot = _StateSnapshot.of(state)
     if not any_local:
         return None
     view = object.__new__(type(optimizer))
@@ -223,37 +293,98 @@ def _local_optimizer(optimizer: Optimizer, plan: _Plan,
 
 
 def _refresh(cached: _LocalGroup, params: list[torch.Tensor], keys: frozenset[str],
-             state: dict[Any, dict[str, Any]], local_state: _LocalState) -> bool:
+             state: dict[Any, dict[str, Any]], local_state: _LocalState, state_unchanged: bool) -> bool:
     """Hand this step's gradients to the cached views; False if anything the cache relies on changed."""
     if (params is not cached.params or len(params) != len(cached.contents) or keys != cached.keys
-            or not all(map(operator.is_, params, cached.contents))):
+            or not all(map(_is, params, cached.contents))):
         return False
-    is_, with_grad = operator.is_, _with_grad
-    for slot in cached.slots:
-        p = slot.param
-        if getattr(p, _TOKEN_ATTR, None) != slot.token:
-            return False  # swap_tensors replaced its contents (and __dict__): the view is stale
-        grad = p.grad
-        if grad is None:
+    if not cached.slots:
+        return True
+    try:
+        if tuple(map(_token_of, cached.ours)) != cached.tokens:
+            return False  # swap_tensors replaced a parameter's contents (and __dict__): its view is stale
+    except AttributeError:
+        return False
+    grads = tuple(map(_grad_of, cached.ours))
+    local_grads = _local_grads(cached, grads)
+    if local_grads is None:
+        return False
+    if keys and not (state_unchanged and cached.entries_unchanged()) and \
+            not _check_entries(cached, grads, keys, state, local_state):
+        return False
+    _with_grad.append(cached.views)
+    try:
+        for view, local_grad in zip(cached.views, local_grads):
+            view.grad = local_grad  # checks shape, dtype and device against the shard
+    except RuntimeError:
+        return False
+    return True
+
+
+class _GradProof(tuple):  # type: ignore[type-arg]
+    """(a parameter's placements object, the local tensor of a DTensor gradient), set on that gradient.
+    A deep copy or a pickle of the gradient gets None instead: its local tensor is another object."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(None), ()
+
+
+def _local_grads(cached: _LocalGroup, grads: tuple[Any, ...]) -> tuple[torch.Tensor | None, ...] | None:
+    """The gradients' local tensors (None for a parameter without one); None if a gradient is not a
+    DTensor laid out like its parameter.
+
+    A gradient checked once carries the proof on itself (``_GRAD_PROOF_ATTR``: its parameter's
+    placements object and its local tensor, which it holds anyway), so a gradient that outlives the
+    step (``zero_grad(set_to_none=False)``, accumulation) is not checked again. ``swap_tensors`` on a
+    gradient swaps its ``__dict__`` with its contents, so the proof stays with the local it names; a
+    copy does not inherit it (``_GradProof``)."""
+    proofs: tuple[Any, ...] = tuple(map(getattr, grads, repeat(_GRAD_PROOF_ATTR), repeat(None)))
+    try:
+        if all(map(_is, map(_first, proofs), cached.placements)):
+            return tuple(map(_second, proofs))
+    except TypeError:  # a gradient without a proof, or a parameter without a gradient
+        pass
+    if all(map(_is, proofs, repeat(None))) and all(map(_is, map(type, grads), repeat(DTensor))):
+        # new gradients (zero_grad() set them to None): check them in bulk
+        if tuple(map(_placements_of, grads)) != cached.placements:
+            return None
+        local_grads = tuple(map(DTensor.to_local, grads))
+        for grad, new_proof in zip(grads, map(_GradProof, zip(cached.placements, local_grads))):
+            setattr(grad, _GRAD_PROOF_ATTR, new_proof)
+        return local_grads
+    mixed: list[torch.Tensor | None] = []
+    for grad, proof, placements in zip(grads, proofs, cached.placements):
+        if grad is None or (proof is not None and proof[0] is placements):
+            mixed.append(None if grad is None else proof[1])
             continue
-        if type(grad) is not DTensor:
+        if type(grad) is not DTensor or not _same(grad.placements, placements):
+            return None
+        local_grad = grad.to_local()
+        setattr(grad, _GRAD_PROOF_ATTR, _GradProof((placements, local_grad)))
+        mixed.append(local_grad)
+    return tuple(mixed)
+
+
+def _check_entries(cached: _LocalGroup, grads: tuple[Any, ...], keys: frozenset[str],
+                   state: dict[Any, dict[str, Any]], local_state: _LocalState) -> bool:
+    """Per slot with a gradient: its state entry and values are the ones mirrored (else mirror them)."""
+    mirrored = True
+    for slot, grad in zip(cached.slots, grads):
+        if grad is None:
+            mirrored = False  # not checked: a later step with a gradient must look again
+            continue
+        entry = state.get(slot.param)
+        if entry is None or len(entry) != len(slot.values):
             return False
-        placements = grad.placements
-        if placements is not slot.placements and placements != slot.placements:
+        if (entry is not slot.entry or not all(map(_is, entry.values(), slot.values))) and \
+                not _mirror(slot, entry, keys, local_state):
             return False
-        if keys:
-            entry = state.get(p)
-            if entry is None or len(entry) != len(slot.values):
-                return False
-            if (entry is not slot.entry or not all(map(is_, entry.values(), slot.values))) and \
-                    not _mirror(slot, entry, keys, local_state):
-                return False
-        local = slot.local
-        try:
-            local.grad = grad.to_local()  # checks shape, dtype and device against the shard
-        except RuntimeError:
-            return False
-        with_grad.append(local)
+    cached.remember_entries(mirrored)
     return True
 
 
@@ -266,6 +397,9 @@ def _build(params: list[torch.Tensor], keys: frozenset[str], state: dict[Any, di
     owned = {id(sp.sharded_param): sp for sp in _tracked}
     local_params: list[torch.Tensor] = []
     slots = []
+    with_grad: list[torch.Tensor] = []
+    _with_grad.append(with_grad)
+    mirrored = True
     for p in params:
         sp = owned.get(id(p))
         if sp is None:
@@ -276,7 +410,9 @@ def _build(params: list[torch.Tensor], keys: frozenset[str], state: dict[Any, di
         slot = _Slot(p, 0, p, p.placements)  # type: ignore[attr-defined]
         slot.local, slot.token = _view(p)
         grad = p.grad
-        if grad is not None:
+        if grad is None:
+            mirrored = False
+        else:
             if type(grad) is not DTensor or not _same(grad.placements, slot.placements):
                 return None
             entry = state.get(p)
@@ -286,10 +422,10 @@ def _build(params: list[torch.Tensor], keys: frozenset[str], state: dict[Any, di
                 slot.local.grad = grad.to_local()
             except RuntimeError:
                 return None
-            _with_grad.append(slot.local)
+            with_grad.append(slot.local)
         local_params.append(slot.local)
         slots.append(slot)
-    return _LocalGroup(params, tuple(params), keys, local_params, slots)
+    return _LocalGroup(params, tuple(params), keys, local_params, slots, mirrored=mirrored)
 
 
 def _view(p: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -249,6 +250,43 @@ def _swapped_contents() -> None:
 
 def test_parameter_contents_swapped_after_views_cached() -> None:
     _swapped_contents()
+
+
+@distributed(world_size=2)
+def _replaced_between_steps() -> list[str]:
+    """What the per-step checks (done in bulk, by identity) must notice: a state value replaced (as an
+    offloader moving states does), one gradient replaced by a new DTensor while the others persist
+    (``zero_grad(set_to_none=False)``), a parameter without a gradient for a step."""
+    pair = twins(make_optimizer("adamw", "foreach"))
+    calls: dict[int, int] = {}
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        n = calls[id(opt)] = calls.get(id(opt), 0) + 1
+        params = list(model.parameters())
+        if n == 3:  # (step 2 re-checks everything: step 1, on DTensor, created the states)
+            opt.state[params[0]]["exp_avg"] = opt.state[params[0]]["exp_avg"].clone()
+        if n == 4:
+            params[1].grad = params[1].grad.clone()  # type: ignore[union-attr]
+        if n == 5:
+            params[2].grad = None
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    fast_paths, _ = lockstep(pair, steps=6, step=step)
+    # a checked gradient carries its proof; a deep copy's or a pickle's local is another tensor: none
+    grad = next(pair[0][0].parameters()).grad
+    assert isinstance(getattr(grad, "_fully_shard_local_grad", None), tuple)
+    buffer = io.BytesIO()
+    torch.save(grad, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(grad), torch.load(buffer, weights_only=False)):
+        assert getattr(copied, "_fully_shard_local_grad", None) is None
+        assert torch.equal(copied.to_local(), grad.to_local())  # type: ignore[union-attr]
+    return fast_paths
+
+
+def test_state_value_and_gradient_replaced_between_steps() -> None:
+    assert _replaced_between_steps()[0] == ["dtensor"] + ["local"] * 5
 
 
 @distributed(world_size=2)
