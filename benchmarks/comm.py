@@ -205,7 +205,8 @@ def main() -> None:
            f"{'in-step AG':>12}{'raw RS':>10}{'in-step RS':>12}"
     rank0_print(header(head))
     for r in bw:
-        rank0_print(f"{r['unit']:<10}{r['bytes'] / MIB:>7.2f}{r['raw_ag_bw'] / MIB:>10.0f}{r['ours_unshard_bw'] / MIB:>14.0f}"
+        rank0_print(f"{r['unit']:<10}{r['bytes'] / MIB:>7.2f}{r['raw_ag_bw'] / MIB:>10.0f}"
+                    f"{r['ours_unshard_bw'] / MIB:>14.0f}"
                     f"{r['ours_unshard_bw'] / r['raw_ag_bw']:>7.2f}{r['torch_unshard_bw'] / MIB:>15.0f}"
                     f"{r['torch_unshard_bw'] / r['raw_ag_bw']:>7.2f}{r['in_step_ag_bw'] / MIB:>12.0f}"
                     f"{r['raw_rs_bw'] / MIB:>10.0f}{r['in_step_rs_bw'] / MIB:>12.0f}")

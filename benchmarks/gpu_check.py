@@ -138,7 +138,8 @@ def check_streams(model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor, world:
         check(len(gathers) > 0, "no NCCL all-gather kernels in the trace")
     check(len(side) > 0, f"no kernel runs outside the compute stream {compute}: the all-gather copy-in and the "
                          f"collectives should run on the library's streams (streams seen: {sorted(busy)})")
-    spans = sorted((float(k["ts"]), float(k["ts"]) + float(k["dur"])) for k in kernels if k["args"]["stream"] == compute)
+    spans = sorted((float(k["ts"]), float(k["ts"]) + float(k["dur"]))
+                   for k in kernels if k["args"]["stream"] == compute)
     merged: list[list[float]] = []
     for s, e in spans:
         if merged and s <= merged[-1][1]:
@@ -185,11 +186,13 @@ def main() -> None:
     med = step_benchmark(variants, x, y, args, device)
     if rank == 0:  # the figures first, so they are there even if a check below fails
         print(f"\ngpu_check: GPT {n_params / 1e6:.0f}M params ({cfg.blocks} blocks, d={cfg.dim}, seq {cfg.seq}, batch "
-              f"{args.batch}/rank), bf16, {world} x {torch.cuda.get_device_name(device)}, NCCL, torch {torch.__version__}")
+              f"{args.batch}/rank), bf16, {world} x {torch.cuda.get_device_name(device)}, NCCL, "
+              f"torch {torch.__version__}")
         print(f"{'variant':<8}{'median ms':>11}{'vs torch':>10}")
         for n, t in med.items():
             print(f"{n:<8}{t * 1e3:>11.2f}{t / med['torch']:>10.3f}")
-        print(f"ours / torch fully_shard = {med['ours'] / med['torch']:.3f}; ours / DDP = {med['ours'] / med['ddp']:.3f}",
+        print(f"ours / torch fully_shard = {med['ours'] / med['torch']:.3f}; "
+              f"ours / DDP = {med['ours'] / med['ddp']:.3f}",
               flush=True)
     model, opt = variants["ours"]
     prof = check_profiler(model, opt, x, y)

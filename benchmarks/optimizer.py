@@ -138,7 +138,8 @@ def main() -> None:
                     rank0_print(f"{shape:>7} {'sgd fused':>16}  n/a: DTensor has no sharding strategy for "
                                 "aten._fused_sgd_ (the first step, which creates the momentum, runs on DTensor)")
                     continue
-                for clock, times in zip(("wall", "cpu"), measure(build(blocks, dim, name, flag), args.rounds, args.steps)):
+                timings = measure(build(blocks, dim, name, flag), args.rounds, args.steps)
+                for clock, times in zip(("wall", "cpu"), timings):
                     med = {v: median(ts) for v, ts in times.items()}
                     paired = {f"{a}/{b}": median([x / y for x, y in zip(times[a], times[b])])
                               for a, b in (("dtensor", "plain"), ("ours", "plain"), ("ours", "dtensor"))}

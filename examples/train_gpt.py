@@ -14,7 +14,8 @@ Several nodes: run the same command on every node, pointing the rendezvous at on
         --rdzv_id gpt-run-1 examples/train_gpt.py --bf16 --dim 1024 --blocks 24 --seq 1024
 
 Each block (or ``--blocks-per-unit k`` consecutive blocks) becomes one fully_shard unit via
-``auto_wrap(model, GranularityPolicy(k))``, the rest of the model the root unit. Checkpoints are written every ``--ckpt-every`` steps to ``--ckpt-dir``;
+``auto_wrap(model, GranularityPolicy(k))``, the rest of the model the root unit. Checkpoints are written
+every ``--ckpt-every`` steps to ``--ckpt-dir``;
 ``--resume`` continues from the latest one (same loss curve as an uninterrupted run). At the end rank
 0 prints the loss curve, the per-rank memory next to an unsharded model, and the profiler's table of
 the last steps (per-unit all-gather/reduce-scatter time and bytes, exposed communication, memory).

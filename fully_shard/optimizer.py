@@ -119,7 +119,8 @@ _STATE_KEYS: dict[type[Optimizer], Callable[[dict[str, Any]], frozenset[str] | N
 
 
 # --- the hook -------------------------------------------------------------------------------------
-def _pre_step(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+def _pre_step(optimizer: Optimizer, args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     _drop_local_grads()  # left by a step that raised
     plan = _plans.get(optimizer)
     if plan is None or plan.epoch != _epoch or plan.groups_seen != len(optimizer.param_groups):

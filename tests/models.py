@@ -60,7 +60,8 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def batches(n: int, batch: int = 6, seq: int = 16, vocab: int = 997, seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(n: int, batch: int = 6, seq: int = 16, vocab: int = 997,
+            seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):

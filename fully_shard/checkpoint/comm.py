@@ -192,7 +192,8 @@ class Comm:
             except Exception:
                 missing.append(r)
                 continue
-            reports[r] = self._recv_rest(heads[r], r, deadline + _MIN_WAIT_S, what, f"rank {r} did not finish its report")
+            reports[r] = self._recv_rest(heads[r], r, deadline + _MIN_WAIT_S, what,
+                                         f"rank {r} did not finish its report")
         others = {r: rep["label"] for r, rep in reports.items() if rep["label"] != what}
         verdict: dict[str, Any] = {"error": None, "differ": []}
         if missing:

@@ -1,4 +1,4 @@
-"""checkpoint.load: open one generation, check everything, then copy; a failed load leaves model and optimizer as they were.
+"""checkpoint.load: open one generation, check everything, then copy; a failed load changes nothing.
 
 Phases (each runs inside ``comm.phase``, so bad input raises the same error on every rank):
 1. opening: each rank opens the directory once and reads index.json (its digest checked first), matches
@@ -106,7 +106,8 @@ class _Loader:
         if saved is None:
             if strict:
                 raise CheckpointError(f"checkpoint {self.snap.path} has no optimizer state, but an optimizer was "
-                                      "passed; fix: pass optimizer=None, or strict=False to keep the optimizer as it is")
+                                      "passed; fix: pass optimizer=None, or strict=False to keep the optimizer "
+                                      "as it is")
             return
         params = {fqn: p for g in optimizer_params(model, optimizer) for fqn, p in g}
         for fqn, names in saved.state.items():

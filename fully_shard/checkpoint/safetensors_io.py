@@ -138,8 +138,10 @@ class DataFile:
                                   "concurrent save with keep_last?): restore the file, retry, or load an earlier "
                                   "checkpoint") from None
         except OSError as e:
-            raise CheckpointError(f"{where}: cannot open ({e.strerror}{'; it is a symbolic link' if os.path.islink(where) else ''}); "
-                                  "fix: checkpoint data files are plain files inside the checkpoint directory") from None
+            link = "; it is a symbolic link" if os.path.islink(where) else ""
+            raise CheckpointError(f"{where}: cannot open ({e.strerror}{link}); "
+                                  "fix: checkpoint data files are plain files inside the checkpoint "
+                                  "directory") from None
         self.size = os.fstat(self.fd).st_size
         self.expected_size = expected_size
         self._header: Header | None = None
@@ -178,7 +180,8 @@ class DataFile:
             raise self.bad(f"file has {self.size} bytes, too short for a safetensors header length")
         (n,) = struct.unpack("<Q", self.pread(0, 8))
         if n > fmt.MAX_HEADER_BYTES:
-            raise self.bad(f"header declares {n} bytes, more than the {fmt.MAX_HEADER_BYTES} allowed (oversized header)")
+            raise self.bad(f"header declares {n} bytes, more than the {fmt.MAX_HEADER_BYTES} allowed "
+                           "(oversized header)")
         if 8 + n > self.size:
             raise self.bad(f"header declares {n} bytes but the file has only {self.size - 8} after the length field")
         raw = self.pread(8, n)

@@ -133,7 +133,8 @@ class IndexParser:
 
     def get(self, obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
         if not isinstance(obj, dict) or key not in obj:
-            raise self.fail(where, f"expected key {key!r}, found keys {sorted(obj) if isinstance(obj, dict) else type(obj).__name__}")
+            keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+            raise self.fail(where, f"expected key {key!r}, found keys {keys}")
         value = obj[key]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
@@ -186,7 +187,8 @@ class IndexParser:
         blobs = {k: self.entry(v, f"blobs[{k!r}]", files) for k, v in self.get(doc, "blobs", dict, "index").items()}
         extra_per_rank = doc.get("extra_per_rank")
         if extra_per_rank is not None and (not isinstance(extra_per_rank, list) or len(extra_per_rank) != world):
-            raise self.fail("extra_per_rank", f"expected null or a list of {world} entries, found {short(extra_per_rank)}")
+            raise self.fail("extra_per_rank",
+                            f"expected null or a list of {world} entries, found {short(extra_per_rank)}")
         self.check_keys_unique(model, optimizer, blobs)
         created: dict[str, Any] = doc["created"] if isinstance(doc.get("created"), dict) else {}
         return Index(world_size=world, files=files, model=model, aliases=aliases, optimizer=optimizer,

@@ -192,7 +192,8 @@ def _two_ranks(path: str, victim: int, kill_at: int = 0, sigkill_after: float | 
     pipes, procs = [], []
     for rank in range(2):
         parent, child = CTX.Pipe()
-        proc = CTX.Process(target=_rank_child, args=(rank, port, path, victim, kill_at, sigkill_after is not None, child))
+        proc = CTX.Process(target=_rank_child,
+                           args=(rank, port, path, victim, kill_at, sigkill_after is not None, child))
         proc.start()
         pipes.append(parent)
         procs.append(proc)

@@ -156,7 +156,8 @@ def test_output_shards_respect_the_limit_and_keep_order(sizes: list[int], limit:
 
 
 def _index(shape: tuple[int, ...] = (5, 3), chunks: tuple[Chunk, ...] | None = None) -> Index:
-    chunks = chunks or (Chunk("model-rank00000.safetensors", "w", 0, 3), Chunk("model-rank00001.safetensors", "w", 3, 5))
+    chunks = chunks or (Chunk("model-rank00000.safetensors", "w", 0, 3),
+                        Chunk("model-rank00001.safetensors", "w", 3, 5))
     files = {f"model-rank0000{i}.safetensors": fmt.FileEntry(100, "0" * 32, i) for i in range(2)}
     return Index(world_size=2, files=files, model={"w": TensorEntry("F32", shape, chunks)})
 

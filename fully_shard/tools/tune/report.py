@@ -54,7 +54,8 @@ def format_table(results: list[TuneResult], budget_bytes: int | None, best: Tune
                          "", f"FAILED: {(r.error or '')[:90]}"])
             continue
         fits = ("yes" if r.fits else "no") if budget_bytes is not None else ""
-        rows.append([str(c.blocks_per_unit), str(r.units), str(c.reshard_after_forward), f"{(r.peak_bytes or 0) / 2**20:.1f}",
+        rows.append([str(c.blocks_per_unit), str(r.units), str(c.reshard_after_forward),
+                     f"{(r.peak_bytes or 0) / 2**20:.1f}",
                      f"{(r.step_s or 0) * 1e3:.1f}", _pct(r.comm_share), _pct(r.comm_busy_share),
                      f"{r.bytes_over_model or 0:.2f}x", fits, mark])
     widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head) - 1)] + [0]
