@@ -15,12 +15,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
+from .checks import check_same_call, describe_call
 from .group import ParamGroup
 from .mesh import MeshInfo, default_mesh, subgroup
 from .module import FSDPModule
 from .param import ShardedParam
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_reshard_after_forward
-from .state import FSDPState, get_state
+from .state import FSDPState, get_state, states_under
 from .tree import join_fqn
 
 M = TypeVar("M", nn.Module, list)
@@ -65,7 +66,22 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
     for m in modules:
         m.__dict__["_fsdp_state"] = state
         m.__class__ = _fsdp_class(type(m))
+    title = (f"fully_shard({unit_name}) mesh={tuple(mesh.shape)} reshard_after_forward={reshard_after_forward} "
+             f"param_dtype={mp_policy.param_dtype} reduce_dtype={mp_policy.reduce_dtype}")
+    check_same_call(describe_call(modules, _unit_owners(modules, state), title=title), mesh_info, device)
     return module
+
+
+def _unit_owners(modules: tuple[nn.Module, ...], state: FSDPState) -> dict[int, str]:
+    """id(sharded parameter) -> which unit manages it (FQN relative to the call) and along which dim."""
+    owners: dict[int, str] = {}
+    for i, m in enumerate(modules):
+        prefix = f"[{i}]." if len(modules) > 1 else ""
+        for fqn, unit in states_under(m):
+            name = "<this call>" if unit is state else prefix + fqn
+            for p in unit.group.params if unit.group is not None else ():
+                owners[id(p.sharded_param)] = f"unit={name} Shard({p.shard_dim})"
+    return owners
 
 
 def _as_modules(module: Any) -> tuple[nn.Module, ...]:

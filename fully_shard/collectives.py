@@ -6,7 +6,7 @@ all-reduce). A group's tensors are laid out by ``layout.FlatLayout``: every rank
 place (this rank's segment of the output is the input), so an unshard allocates one buffer; copy-out
 is one ``split_with_sizes_copy`` into the unsharded parameters. The k-rank partial all-gather
 (reshard_after_forward=k) is the same call over a ``SubgroupInfo`` of k ranks. Control plane: the
-structure check at lazy init, gradient-norm sums (clip.py) and meta-init broadcasts (init.py).
+structure check at fully_shard() time, gradient-norm sums (clip.py) and meta-init broadcasts (init.py).
 """
 
 from __future__ import annotations
@@ -64,7 +64,10 @@ def partial_all_gather_copy_in(block: torch.Tensor, flat: FlatLayout, over: Subg
 
 def all_gather(out: torch.Tensor, over: SubgroupInfo, async_op: bool) -> dist.Work | None:
     """In-place all-gather over ``over`` (the shard group or a k-subgroup) of this rank's segment of
-    ``out`` into the whole of ``out``."""
+    ``out`` into the whole of ``out``. Over one rank the segment is the whole buffer: no collective
+    (as torch's FSDP2; NO_SHARD's one-rank shard groups too)."""
+    if over.world == 1:
+        return None
     return all_gather_into(out, _segment(out, over.rank, over.world), over.group, async_op=async_op)
 
 
@@ -85,13 +88,13 @@ def all_gather_copy_out(out: torch.Tensor, params: Sequence[ShardedParam], flat:
     """Scatter the gathered buffer into each parameter's (padded) unsharded storage: one op."""
     world = flat.world
     rows = out.view(world, flat.shard_numel)
-    outs = [rows.new_empty((world, size)) if p.layout.replicated else p.unsharded_write.view(world, size)
+    outs = [rows.new_empty((world, size)) if p.staged_gather else p.unsharded_write.view(world, size)
             for p, size in zip(params, flat.sizes)]
     if outs:
         torch.split_with_sizes_copy(rows, list(flat.sizes), dim=1, out=outs)
     for p, dst in zip(params, outs):
-        if p.layout.replicated:  # every rank's slot holds the same value: take rank 0's
-            p.unsharded_write.copy_(dst[0])
+        if p.staged_gather:  # 0-dim or Shard(d > 0): one more copy into the contiguous parameter
+            p.write_unsharded(dst)
 
 
 def partial_shard_copy_in(params: Sequence[ShardedParam], flat: FlatLayout,
@@ -103,7 +106,7 @@ def partial_shard_copy_in(params: Sequence[ShardedParam], flat: FlatLayout,
     per = world // over.world
     rows = slice(over.rank * per, (over.rank + 1) * per)
     parts = [p.unsharded_write.view(1, 1).expand(per, 1) if p.layout.replicated
-             else p.unsharded_write.view(world, size)[rows] for p, size in zip(params, flat.sizes)]
+             else p.unsharded_rows(world, size)[rows] for p, size in zip(params, flat.sizes)]
     return torch.cat(parts, dim=1).view(-1)
 
 
@@ -136,6 +139,11 @@ def reduce_scatter_copy_in(grads: Sequence[torch.Tensor | None], params: Sequenc
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp,
                    async_op: bool) -> dist.Work | None:
+    """``out`` = this rank's segment of ``inp`` reduced over ``group``; over one rank (``inp`` is one
+    segment) a copy, no collective."""
+    if out.numel() == inp.numel():
+        out.copy_(inp)
+        return None
     return _reduce_scatter_fn()(out, inp, op=op, group=group, async_op=async_op)
 
 
