@@ -80,7 +80,8 @@ def _unit_owners(modules: tuple[nn.Module, ...], state: FSDPState) -> dict[int, 
         for fqn, unit in states_under(m):
             name = "<this call>" if unit is state else prefix + fqn
             for p in unit.group.params if unit.group is not None else ():
-                owners[id(p.sharded_param)] = f"unit={name} Shard({p.shard_dim})"
+                how = "Replicate()" if p.layout.replicated else f"Shard({p.shard_dim})"
+                owners[id(p.sharded_param)] = f"unit={name} {how}"
     return owners
 
 

@@ -71,7 +71,8 @@ def _raise_diff(desc: list[str], mesh_info: MeshInfo) -> None:
             where = f"{axis} group rank {bad} vs rank 0 of {world}"
             diff = "\n".join(difflib.unified_diff(descs[0], descs[bad], "rank 0", f"rank {bad}", lineterm=""))
     raise RuntimeError(
-        f"fully_shard was called differently across ranks ({where or 'in another group of this mesh'}): "
+        f"fully_shard was called differently across ranks "
+        f"({where or 'in another group of this mesh; the ranks of that group show the diff'}): "
         "every rank must build the same parameters (shapes, dtypes) and make the same fully_shard calls, "
         f"in the same order, with the same unit boundaries, or the collectives would abort or hang.\n{diff}\n"
         "Fix: build and wrap the model identically on every rank (same config, same fully_shard calls, "
