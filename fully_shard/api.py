@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
 from .checks import check_same_call, describe_call
+from .composable import check_not_replicated, mark_fully_shard
 from .group import ParamGroup
 from .mesh import MeshInfo, default_mesh, subgroup
 from .module import FSDPModule
@@ -66,6 +67,7 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
     for m in modules:
         m.__dict__["_fsdp_state"] = state
         m.__class__ = _fsdp_class(type(m))
+        mark_fully_shard(m)  # torch's replicate() above it leaves these params alone (composable.py)
     title = (f"fully_shard({unit_name}) mesh={tuple(mesh.shape)} reshard_after_forward={reshard_after_forward} "
              f"param_dtype={mp_policy.param_dtype} reduce_dtype={mp_policy.reduce_dtype}")
     check_same_call(describe_call(modules, _unit_owners(modules, state), title=title), mesh_info, device)
@@ -92,6 +94,7 @@ def _as_modules(module: Any) -> tuple[nn.Module, ...]:
     for m in modules:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}: {m!r:.80}")
+        check_not_replicated(m)
         if get_state(m) is not None:
             raise ValueError(
                 f"fully_shard was already applied to this {type(m).__name__.removeprefix('FSDP')} (now "
