@@ -15,6 +15,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
+from .checks import check_same_call, describe_call
+from .composable import check_not_replicated, mark_fully_shard
 from .group import ParamGroup
 from .mesh import MeshInfo, default_mesh, subgroup
 from .module import FSDPModule
@@ -28,7 +30,7 @@ from .policy import (
     check_all_gather_policy,
     check_reshard_after_forward,
 )
-from .state import FSDPState, get_state
+from .state import FSDPState, get_state, states_under
 from .tree import join_fqn
 
 M = TypeVar("M", nn.Module, list)
@@ -79,7 +81,24 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
     for m in modules:
         m.__dict__["_fsdp_state"] = state
         m.__class__ = _fsdp_class(type(m))
+        mark_fully_shard(m)  # torch's replicate() above it leaves these params alone (composable.py)
+    title = (f"fully_shard({unit_name}) mesh={tuple(mesh.shape)} reshard_after_forward={reshard_after_forward} "
+             f"param_dtype={mp_policy.param_dtype} reduce_dtype={mp_policy.reduce_dtype}")
+    check_same_call(describe_call(modules, _unit_owners(modules, state), title=title), mesh_info, device)
     return module
+
+
+def _unit_owners(modules: tuple[nn.Module, ...], state: FSDPState) -> dict[int, str]:
+    """id(sharded parameter) -> which unit manages it (FQN relative to the call) and along which dim."""
+    owners: dict[int, str] = {}
+    for i, m in enumerate(modules):
+        prefix = f"[{i}]." if len(modules) > 1 else ""
+        for fqn, unit in states_under(m):
+            name = "<this call>" if unit is state else prefix + fqn
+            for p in unit.group.params if unit.group is not None else ():
+                how = "Replicate()" if p.layout.replicated else f"Shard({p.shard_dim})"
+                owners[id(p.sharded_param)] = f"unit={name} {how}"
+    return owners
 
 
 def _as_modules(module: Any) -> tuple[nn.Module, ...]:
@@ -89,6 +108,7 @@ def _as_modules(module: Any) -> tuple[nn.Module, ...]:
     for m in modules:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}: {m!r:.80}")
+        check_not_replicated(m)
         if get_state(m) is not None:
             raise ValueError(
                 f"fully_shard was already applied to this {type(m).__name__.removeprefix('FSDP')} (now "

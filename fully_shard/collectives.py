@@ -7,7 +7,7 @@ place (this rank's segment of the output is the input), so an unshard allocates 
 is one ``split_with_sizes_copy`` into the unsharded parameters (``QuantizedAllGather``: the segment is
 int8 blocks + scales packed as bytes, dequantized before that copy; quantize.py). The k-rank partial all-gather
 (reshard_after_forward=k) is the same call over a ``SubgroupInfo`` of k ranks. Control plane: the
-structure check at lazy init, gradient-norm sums (clip.py) and meta-init broadcasts (init.py).
+structure check at fully_shard() time, gradient-norm sums (clip.py) and meta-init broadcasts (init.py).
 """
 
 from __future__ import annotations
@@ -67,7 +67,10 @@ def partial_all_gather_copy_in(block: torch.Tensor, flat: FlatLayout, over: Subg
 
 def all_gather(out: torch.Tensor, over: SubgroupInfo, async_op: bool) -> dist.Work | None:
     """In-place all-gather over ``over`` (the shard group or a k-subgroup) of this rank's segment of
-    ``out`` into the whole of ``out``."""
+    ``out`` into the whole of ``out``. Over one rank the segment is the whole buffer: no collective
+    (as torch's FSDP2; NO_SHARD's one-rank shard groups too)."""
+    if over.world == 1:
+        return None
     return all_gather_into(out, _segment(out, over.rank, over.world), over.group, async_op=async_op)
 
 
@@ -94,19 +97,19 @@ def _scatter_rows(rows: torch.Tensor, params: Sequence[ShardedParam], sizes: Seq
     """``rows`` ``(world, ...)`` holds each parameter's ``sizes[i]`` values per rank, followed by
     ``pads[i]`` values to drop; copy them into the unsharded storages with one split."""
     world = rows.shape[0]
-    outs, split, replicated = [], [], []
+    outs, split, staged = [], [], []
     for i, (p, size) in enumerate(zip(params, sizes)):
-        if p.layout.replicated:
-            replicated.append((p, rows.new_empty((world, size))))
-        outs.append(replicated[-1][1] if p.layout.replicated else p.unsharded_write.view(world, size))
+        if p.staged_gather:
+            staged.append((p, rows.new_empty((world, size))))
+        outs.append(staged[-1][1] if p.staged_gather else p.unsharded_write.view(world, size))
         split.append(size)
         if pads is not None and pads[i]:
             outs.append(rows.new_empty((world, pads[i])))
             split.append(pads[i])
     if outs:
         torch.split_with_sizes_copy(rows, split, dim=1, out=outs)
-    for p, dst in replicated:  # every rank's slot holds the same value: take rank 0's
-        p.unsharded_write.copy_(dst[0])
+    for p, dst in staged:  # 0-dim or Shard(d > 0): one more copy into the contiguous parameter
+        p.write_unsharded(dst)
 
 
 def quantized_all_gather_copy_in(params: Sequence[ShardedParam], blocks: BlockLayout, rank: int, world: int,
@@ -145,7 +148,7 @@ def partial_shard_copy_in(params: Sequence[ShardedParam], flat: FlatLayout,
     per = world // over.world
     rows = slice(over.rank * per, (over.rank + 1) * per)
     parts = [p.unsharded_write.view(1, 1).expand(per, 1) if p.layout.replicated
-             else p.unsharded_write.view(world, size)[rows] for p, size in zip(params, flat.sizes)]
+             else p.unsharded_rows(world, size)[rows] for p, size in zip(params, flat.sizes)]
     return torch.cat(parts, dim=1).view(-1)
 
 
@@ -178,6 +181,11 @@ def reduce_scatter_copy_in(grads: Sequence[torch.Tensor | None], params: Sequenc
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp,
                    async_op: bool) -> dist.Work | None:
+    """``out`` = this rank's segment of ``inp`` reduced over ``group``; over one rank (``inp`` is one
+    segment) a copy, no collective."""
+    if out.numel() == inp.numel():
+        out.copy_(inp)
+        return None
     return _reduce_scatter_fn()(out, inp, op=op, group=group, async_op=async_op)
 
 

@@ -108,8 +108,9 @@ class ParamGroup:
         dtypes = {p.orig_dtype for p in self.params}
         if len(dtypes) > 1:
             found = ", ".join(f"{p.fqn}: {p.orig_dtype}" for p in self.params)
+            unit = "this fully_shard call" if self.comm is None else f"fully_shard unit {self.fqn or '<root>'!r}"
             raise ValueError(
-                f"fully_shard({self.fqn or '<root>'}) groups parameters of several dtypes ({found}); one "
+                f"{unit} groups parameters of several dtypes ({found}); one "
                 "all-gather moves one dtype. Fix: pass mp_policy=MixedPrecisionPolicy(param_dtype=...) "
                 "or shard the differing submodules in their own fully_shard calls.")
 
@@ -207,6 +208,15 @@ class ParamGroup:
         for p in self.params:
             p.adopt_module_param()
             p.init_unsharded(self.param_dtype, self.device)
+        self._check_dtypes()
+
+    def adopt_module_params(self) -> None:
+        """After ``module.to(dtype)``/``_apply`` replaced or converted the sharded parameters: re-read
+        them and re-create the unsharded storage at the new ``param_dtype`` (lazily initialized groups)."""
+        for p in self.params:
+            p.adopt_module_param()
+            if self.comm is not None:
+                p.init_unsharded(self.param_dtype, self.device)
         self._check_dtypes()
 
     @_outside_functorch

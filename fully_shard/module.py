@@ -48,6 +48,18 @@ class FSDPModule:
         for _, state in states_under(self):  # type: ignore[arg-type]
             yield state
 
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``model.to(torch.float64)``, ``.double()``, ``.half()``: convert the sharded parameters
+        (resharded first, so the DTensors are what gets converted) and re-read them, so the next
+        all-gather moves the new dtype. See design/param-lifecycle.md."""
+        state = self._fsdp
+        if state.group is not None:
+            state.group.reshard()
+        out = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
+        if state.group is not None:
+            state.group.adopt_module_params()
+        return out
+
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this unit's parameters now (e.g. before a forward that skips hooks)."""
         state = self._fsdp

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from .layout import DimZeroLayout
@@ -112,7 +113,7 @@ class ShardedParam:
         """Assign (or accumulate into) ``.grad`` of the sharded parameter as a DTensor.
 
         ``local_grad`` is in the communication layout (shard dim first); it is moved back here."""
-        local_grad = self.unmoved(local_grad).to(self.orig_dtype, memory_format=torch.contiguous_format)
+        local_grad = self.unmoved(local_grad).to(self.orig_dtype).contiguous()  # Shard(d > 0): as torch
         if local_grad.device != self.storage_device:
             local_grad = local_grad.to(self.storage_device, non_blocking=True)
         existing = self.sharded_param.grad
@@ -137,13 +138,42 @@ class ShardedParam:
         """Create the unsharded Parameter object once; storage stays freed until alloc_unsharded()."""
         if self._unsharded_padded is not None and self._unsharded_padded.dtype == dtype:
             return
-        padded = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
-        numel = self.layout.numel
-        view = self.unmoved(padded[:numel].view(self.layout.shape))  # non-contiguous if shard_dim > 0
+        padded = torch.empty(self._unsharded_numel, dtype=dtype, device=device)
+        if self.staged_gather and not self.layout.replicated:  # Shard(d > 0): contiguous, like torch
+            view = padded.view(self.global_shape)
+        else:
+            view = padded[:self.layout.numel].view(self.layout.shape)
         self._unsharded_padded = padded
         self._unsharded_write = padded.data
         self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
         self.free_unsharded()
+
+    @property
+    def staged_gather(self) -> bool:
+        """The gathered rows cannot be the unsharded storage itself: a replicated (0-dim) parameter
+        (one slot per rank) or ``Shard(d > 0)`` (the rows are the shard dim; the unsharded parameter
+        is kept contiguous in its own layout, as torch's). The copy-out goes through a staging buffer."""
+        return self.layout.replicated or self.shard_dim != 0
+
+    @property
+    def _unsharded_numel(self) -> int:
+        return self.layout.numel if self.shard_dim != 0 else self.layout.padded_numel
+
+    def write_unsharded(self, rows: torch.Tensor) -> None:
+        """Copy-out of a staged parameter from its ``(world, padded shard)`` gathered rows."""
+        if self.layout.replicated:  # every rank's slot holds the same value: take rank 0's
+            self.unsharded_write.copy_(rows[0])
+            return
+        gathered = rows.reshape(-1)[:self.layout.numel].view(self.layout.shape)
+        self.unsharded_write.view(self.global_shape).copy_(self.unmoved(gathered))
+
+    def unsharded_rows(self, world: int, size: int) -> torch.Tensor:
+        """The unsharded value in the communication layout, ``(world, padded shard)`` (a view for
+        ``Shard(0)``; a padded copy for ``Shard(d > 0)``)."""
+        if self.shard_dim == 0:
+            return self.unsharded_write.view(world, size)
+        flat = self.moved(self.unsharded_write.view(self.global_shape)).reshape(-1)
+        return F.pad(flat, (0, world * size - flat.numel())).view(world, size)
 
     @property
     def unsharded_write(self) -> torch.Tensor:
@@ -153,7 +183,7 @@ class ShardedParam:
 
     def alloc_unsharded(self) -> None:
         storage = self.unsharded_write.untyped_storage()
-        nbytes = self.layout.padded_numel * self.unsharded_write.element_size()
+        nbytes = self._unsharded_numel * self.unsharded_write.element_size()
         if storage.size() != nbytes:
             storage.resize_(nbytes)
 

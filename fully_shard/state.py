@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .checks import check_not_meta, check_same_structure
+from .checks import check_not_meta
 from .group import GroupState, ParamGroup, ReduceQueue
 from .mesh import MeshInfo
 from .param import ShardedParam
@@ -79,10 +79,7 @@ class FSDPState:
             return
         module = self.modules[0]
         found = list(states_under(module))
-        check_not_meta(module)
-        for group in (self.mesh_info.shard_group, self.mesh_info.replicate_group):
-            if group is not None:
-                check_same_structure(module, self.device, group)
+        check_not_meta(module)  # ranks made the same calls: checked at fully_shard() time (checks.py)
         root = RootContext([state for _, state in found], self.device)
         for fqn, state in found:
             state.root = root
@@ -90,9 +87,9 @@ class FSDPState:
             state.fqn = fqn
             if state.group is not None:
                 state.group.fqn = fqn
-                state.group.lazy_init(root.comm)
                 for p in state.group.params:
                     p.fqn = join_fqn(fqn, p.local_fqn)
+                state.group.lazy_init(root.comm)
         self.is_root = True
 
     @property
