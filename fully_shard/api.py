@@ -76,7 +76,7 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
     for p in params:
         p.register_sharded()
         _set_owner(p.sharded_param, f"{unit_name} (param {p.fqn!r})")
-    track_for_optimizer(params, [p for p, _ in slots])  # the optimizer step on local shards; see design/optimizer-step.md
+    track_for_optimizer(params, [p for p, _ in slots])  # local-shard optimizer step: design/optimizer-step.md
     state = FSDPState(modules, group, mesh_info, device, mp_policy, reshard_after_forward)
     for m in modules:
         m.__dict__["_fsdp_state"] = state
@@ -128,7 +128,8 @@ def _storage_device(offload_policy: OffloadPolicy, device: torch.device) -> torc
     return torch.device("cpu")
 
 
-def _managed_slots(modules: tuple[nn.Module, ...], ignored: set[int]) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]]:
+def _managed_slots(modules: tuple[nn.Module, ...],
+                   ignored: set[int]) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]]:
     """Parameters under ``modules`` not owned by nested units: [(param, [(module, name, fqn), ...])]."""
     found: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]] = {}
     for root in modules:

@@ -13,8 +13,9 @@ The recipe (design/mixed-precision.md has the surrounding context)::
 ``module.to_empty(device=...)`` (every rank allocates its own shards, never the full model) but leaves
 already-real tensors alone and keeps each Parameter object (an optimizer may hold it), then initializes
 each module that owns a formerly-meta parameter or buffer: ``init_fn(module)`` if given, else the
-module's ``reset_parameters()``, else a known recipe for non-persistent buffers (transformers' rotary embeddings: ``inv_freq`` is recomputed from the
-config). Anything left untouched is an error naming its FQN — never uninitialized memory or NaNs.
+module's ``reset_parameters()``, else a known recipe for non-persistent buffers (transformers' rotary
+embeddings: ``inv_freq`` is recomputed from the config). Anything left untouched is an error naming
+its FQN — never uninitialized memory or NaNs.
 
 Random initialization draws from a per-rank stream (forked; the caller's RNG is left as it was), so
 the shards of one weight are not copies of each other, and every tensor that is *replicated* (a 0-dim

@@ -57,7 +57,8 @@ def _errors() -> None:
     for blk in meta_model.blocks:
         fully_shard(blk)
     fully_shard(meta_model)
-    with pytest.raises(RuntimeError, match=r"still on the meta device: pos, tok.weight, blocks.0.gate, .*\(17 in all\). Fix: .*to_empty"):
+    expected = r"still on the meta device: pos, tok.weight, blocks.0.gate, .*\(17 in all\). Fix: .*to_empty"
+    with pytest.raises(RuntimeError, match=expected):
         meta_model(torch.zeros(1, 4, dtype=torch.long))
 
 
