@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import itertools
 import operator
+import threading
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -61,7 +62,16 @@ _tracked: weakref.WeakSet[Any] = weakref.WeakSet()  # live ShardedParams (not th
 _plans: weakref.WeakKeyDictionary[Optimizer, _Plan] = weakref.WeakKeyDictionary()
 _epoch = 0  # counts fully_shard calls: a plan made before one must re-check for replaced parameters
 _tokens = itertools.count()
-_with_grad: list[Iterable[torch.Tensor]] = []  # cached local views whose .grad the running step uses
+_track_lock = threading.Lock()  # several ranks in one process (threaded PG) call fully_shard at once
+_thread = threading.local()  # per thread: with several ranks in one process, each steps its own optimizer
+
+
+def _views_with_grad() -> list[Iterable[torch.Tensor]]:
+    """This thread's cached local views whose ``.grad`` the running step uses (dropped after it)."""
+    views = getattr(_thread, "with_grad", None)
+    if views is None:
+        views = _thread.with_grad = []
+    return views
 _installed = False
 
 
@@ -86,7 +96,8 @@ def track(params: Iterable[_Sharded], replaced: Iterable[torch.Tensor]) -> None:
     """Register a fully_shard unit's ShardedParams and the original parameters they replaced; install
     the global step hook once."""
     global _installed, _epoch
-    _tracked.update(params)
+    with _track_lock:
+        _tracked.update(params)
     _epoch += 1
     for p in replaced:
         setattr(p, _REPLACED_ATTR, getattr(p, _OWNER_ATTR, None) or "a fully_shard unit")
@@ -145,10 +156,11 @@ def _post_step(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, An
 
 def _drop_local_grads() -> None:
     """The cached views must not keep gradients alive after the step (``zero_grad`` would free them)."""
-    for views in _with_grad:
+    with_grad = _views_with_grad()
+    for views in with_grad:
         for view in views:
             view.grad = None
-    _with_grad.clear()
+    with_grad.clear()
 
 
 def _refuse_replaced(optimizer: Optimizer, params: list[torch.Tensor] | None = None) -> None:
@@ -313,7 +325,7 @@ def _refresh(cached: _LocalGroup, params: list[torch.Tensor], keys: frozenset[st
     if keys and not (state_unchanged and cached.entries_unchanged()) and \
             not _check_entries(cached, grads, keys, state, local_state):
         return False
-    _with_grad.append(cached.views)
+    _views_with_grad().append(cached.views)
     try:
         for view, local_grad in zip(cached.views, local_grads):
             view.grad = local_grad  # checks shape, dtype and device against the shard
@@ -395,11 +407,12 @@ def _build(params: list[torch.Tensor], keys: frozenset[str], state: dict[Any, di
     library's DTensor (torch's fully_shard, tensor parallel: the whole group stays on DTensor). None,
     to try again next step, when a state is missing (the step would create it: let DTensor do that, on
     the first step) or a gradient or state is laid out unlike its parameter."""
-    owned = {id(sp.sharded_param): sp for sp in _tracked}
+    with _track_lock:
+        owned = {id(sp.sharded_param): sp for sp in _tracked}
     local_params: list[torch.Tensor] = []
     slots = []
     with_grad: list[torch.Tensor] = []
-    _with_grad.append(with_grad)
+    _views_with_grad().append(with_grad)
     mirrored = True
     for p in params:
         sp = owned.get(id(p))
