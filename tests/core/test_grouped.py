@@ -178,6 +178,13 @@ def test_torchtitan_chunked_loss_matches_unchunked(group_raf: bool) -> None:
 
 
 # --- a member no rank runs keeps grad None; two partial forwards; accumulation over chunks ----------
+
+def _within_tol(got: dict[str, Any], want: dict[str, Any]) -> dict[str, float]:
+    """Our grads against torch's and the unsharded reference's; both within TOL."""
+    diffs = {"torch": max_diff(got["ours"], got["torch"]), "ref": max_diff(got["ours"], want)}
+    assert max(diffs.values()) < TOL, diffs
+    return diffs
+
 @distributed(world_size=2)
 def _unused_member() -> dict[str, float]:
     ref, pair = decoder_pair()
@@ -189,9 +196,7 @@ def _unused_member() -> dict[str, float]:
     want = reference_grads(ref, ref(x, skip_head=True).pow(2).mean() * 2)  # the sum of the rank means
     assert got["ours"]["head.weight"] is None and got["torch"]["head.weight"] is None
     assert want["head.weight"] is None
-    diffs = {"torch": max_diff(got["ours"], got["torch"]), "ref": max_diff(got["ours"], want)}
-    assert max(diffs.values()) < TOL, diffs
-    return diffs
+    return _within_tol(got, want)
 
 
 def test_member_unused_on_every_rank_keeps_grad_none() -> None:
@@ -212,9 +217,7 @@ def _double_partial_forward() -> dict[str, float]:
         got[lib] = grads(model)
     want = reference_grads(ref, loss_of(ref, x1, x2) * 2)  # the global numel is W x the local one
     assert got["ours"]["head.weight"] is None and got["torch"]["head.weight"] is None
-    diffs = {"torch": max_diff(got["ours"], got["torch"]), "ref": max_diff(got["ours"], want)}
-    assert max(diffs.values()) < TOL, diffs
-    return diffs
+    return _within_tol(got, want)
 
 
 def test_double_partial_forward_then_backward() -> None:
@@ -236,9 +239,7 @@ def _accumulate_chunked(n_micro: int = 3, n_chunks: int = 2) -> dict[str, float]
         got[lib] = grads(model)
     ref_loss = torch.stack([ce_sum(ref(x), y) for x, y in micro]).sum() / rank_rows(micro[0][1]).numel()
     want = reference_grads(ref, ref_loss)
-    diffs = {"torch": max_diff(got["ours"], got["torch"]), "ref": max_diff(got["ours"], want)}
-    assert max(diffs.values()) < TOL, diffs
-    return diffs
+    return _within_tol(got, want)
 
 
 def test_gradient_accumulation_over_chunked_partial_forwards() -> None:
