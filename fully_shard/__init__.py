@@ -6,6 +6,7 @@ from . import checkpoint
 from .api import fully_shard
 from .clip import clip_grad_norm_, total_grad_norm
 from .init import default_init, materialize_meta_module
+from .mesh import DataParallelMeshDims
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .policy import (
     AllGatherPolicy,
@@ -32,6 +33,7 @@ from .wrap import (
 __all__ = [
     "AllGatherPolicy",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "EventKind",
     "FSDPModule",
     "GranularityPolicy",

@@ -18,7 +18,7 @@ from torch.distributed.tensor import Placement, Shard
 from .checks import check_same_call, describe_call
 from .composable import check_not_replicated, mark_fully_shard
 from .group import ParamGroup
-from .mesh import MeshInfo, default_mesh, subgroup
+from .mesh import DataParallelMeshDims, MeshInfo, default_mesh, subgroup
 from .module import FSDPModule
 from .optimizer import track as track_for_optimizer
 from .param import ShardedParam
@@ -48,6 +48,7 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
                 ignored_params: set[nn.Parameter] | None = None,
+                dp_mesh_dims: DataParallelMeshDims | None = None,
                 all_gather_policy: AllGatherPolicy = AllGatherPolicy()) -> M:
     """Shard ``module``'s parameters (not those of nested fully_shard units) along dim 0 over ``mesh``.
 
@@ -55,10 +56,14 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
     lm_head sharing one weight). Returns the same module object, its class swapped to ``FSDP<Name>``.
     ``all_gather_policy=QuantizedAllGather(block_size=256)`` (not in torch's signature) gathers int8
     blocks + scales instead of ``param_dtype`` values (design/quantized-all-gather.md).
+
+    Parameters that are already DTensors on a TP/EP sub-mesh of the same root mesh are sharded locally
+    (2-D/3-D DTensors on the combined mesh, design/2d-params.md). ``dp_mesh_dims``: ``mesh`` is the full
+    mesh the parameters are DTensors on and the named dims are the data-parallel ones (as torch's).
     """
     modules = _as_modules(module)
     mesh = mesh if mesh is not None else default_mesh()
-    mesh_info = MeshInfo.of(mesh)
+    mesh_info = MeshInfo.of(mesh, dp_mesh_dims)
     device = mesh_info.device
     check_reshard_after_forward(reshard_after_forward, mesh_info.shard_world)
     check_all_gather_policy(all_gather_policy, reshard_after_forward, mesh_info.shard_world)
@@ -67,6 +72,9 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
     slots = _managed_slots(modules, ignored)
     pin = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
     params = _shard_params(slots, mesh_info, device, storage_device, shard_placement_fn, pin)
+    _check_dtensor_params(params, reshard_after_forward, mesh_info)
+    for (orig, where), sp in zip(slots, params):  # only once every parameter was accepted: a failed call
+        _set_owner(orig, f"{type(where[0][0]).__name__} (param {sp.fqn!r})")  # leaves the module as it was
     for m in modules:
         _move_buffers(m, device)
     k_subgroup = subgroup(mesh, mesh_info, reshard_after_forward)
@@ -97,6 +105,8 @@ def _unit_owners(modules: tuple[nn.Module, ...], state: FSDPState) -> dict[int, 
             name = "<this call>" if unit is state else prefix + fqn
             for p in unit.group.params if unit.group is not None else ():
                 how = "Replicate()" if p.layout.replicated else f"Shard({p.shard_dim})"
+                if p.spec.is_dtensor:
+                    how = p.spec.describe() if not p.layout.replicated else f"{p.spec.replicated}"
                 owners[id(p.sharded_param)] = f"unit={name} {how}"
     return owners
 
@@ -174,9 +184,21 @@ def _shard_params(slots: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str
         sp = ShardedParam(module, name, fqn, p, mesh_info, storage_device,  # meta stays meta until to_empty
                           pin_memory=pin_memory, shard_dim=shard_dim)
         sp.slots = [(m, n) for m, n, _ in where]
-        _set_owner(p, f"{type(module).__name__} (param {fqn!r})")
         params.append(sp)
     return params
+
+
+def _check_dtensor_params(params: list[ShardedParam], reshard_after_forward: bool | int | None,
+                          mesh_info: MeshInfo) -> None:
+    """What DTensor (TP/EP, dp_mesh_dims) parameters do not support yet, refused with the fix."""
+    k = reshard_after_forward
+    partial = k is not None and not isinstance(k, bool) and 1 < k < mesh_info.shard_world
+    tp = [p.fqn for p in params if p.spec.is_dtensor]
+    if partial and tp:
+        raise NotImplementedError(
+            f"reshard_after_forward={k} (keep a shard over a {k}-rank subgroup) is not supported for DTensor "
+            f"(tensor/expert parallel) parameters, found {tp[:4]}{' ...' if len(tp) > 4 else ''} (torch refuses "
+            "it too). Fix: reshard_after_forward=True or False for this unit.")
 
 
 def _shard_dim(placement: Placement | None, p: nn.Parameter, fqn: str) -> int:

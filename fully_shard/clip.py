@@ -92,7 +92,9 @@ def _local_and_groups(g: torch.Tensor) -> tuple[_ReduceKey, torch.Tensor,
         g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
     mesh = g.device_mesh
     device = device_of(mesh)
-    dims = [d for d, p in enumerate(g.placements) if p.is_shard()]
+    # every non-Replicate dim splits the tensor: Shard(d), and _StridedShard (FSDP over a TP-sharded dim),
+    # whose is_shard() is False
+    dims = [d for d, p in enumerate(g.placements) if not p.is_replicate()]
     key = tuple((id(mesh), d) for d in dims)
     return key, g.to_local(), [(mesh.get_group(d), device) for d in dims]
 

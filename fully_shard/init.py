@@ -33,10 +33,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import collectives
-from .mesh import device_of
+from .mesh import device_of, root_mesh
 from .tree import join_fqn
 
 __all__ = ["MaterializeReport", "default_init", "materialize_meta_module", "meta_tensor_names"]
@@ -113,7 +114,7 @@ def materialize_meta_module(module: nn.Module, *, device: torch.device | str | N
             "and buffer of the module it is given, or give the owning module a reset_parameters() "
             "(non-persistent buffers such as rotary inv_freq need this too: they are not in any "
             "checkpoint).")
-    report.broadcast = _sync_replicated(owners)
+    report.broadcast = _sync_replicated(owners, _model_parallel_dims(module))
     return report
 
 
@@ -211,8 +212,22 @@ def _reset_hf_rotary(mod: Any) -> None:
     mod.attention_scaling = scaling
 
 
-def _sync_replicated(owners: dict[str, nn.Module]) -> list[str]:
-    """Broadcast every replicated tensor (or replicated mesh dimension) from its first rank."""
+def _model_parallel_dims(module: nn.Module) -> dict[DeviceMesh, tuple[str, ...]]:
+    """Per root mesh, the named dims some DTensor parameter of ``module`` lives on (FSDP's and TP's):
+    a parameter on a sub-mesh that lacks one of them (a LayerNorm weight sharded over 'dp' only) is
+    replicated across it, implicitly, and must agree there too. Dims no parameter uses (pipeline
+    stages) are left alone."""
+    dims: dict[DeviceMesh, list[str]] = {}
+    for p in module.parameters():
+        if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names:
+            names = dims.setdefault(root_mesh(p.device_mesh), [])
+            names += [n for n in p.device_mesh.mesh_dim_names if n not in names]
+    return {root: tuple(names) for root, names in dims.items()}
+
+
+def _sync_replicated(owners: dict[str, nn.Module], parallel_dims: dict[DeviceMesh, tuple[str, ...]]) -> list[str]:
+    """Broadcast every replicated tensor (or replicated mesh dimension) from its first rank; a DTensor
+    also over the model-parallel dims of its root mesh that its own mesh lacks (``_model_parallel_dims``)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return []
     synced = []
@@ -222,12 +237,15 @@ def _sync_replicated(owners: dict[str, nn.Module]) -> list[str]:
         with torch.no_grad():
             if isinstance(tensor, DTensor):
                 mesh = tensor.device_mesh
-                dims = [d for d, p in enumerate(tensor.placements) if p.is_replicate() and mesh.size(d) > 1]
+                groups = [mesh.get_group(d) for d, p in enumerate(tensor.placements)
+                          if p.is_replicate() and mesh.size(d) > 1]
+                root = root_mesh(mesh)
+                groups += [root[n].get_group() for n in parallel_dims.get(root, ())
+                           if n not in (mesh.mesh_dim_names or ()) and root[n].size() > 1]
                 local = tensor.to_local()
-                for d in dims:
-                    group = mesh.get_group(d)
+                for group in groups:
                     collectives.broadcast(local, dist.get_global_rank(group, 0), group)
-                if dims:
+                if groups:
                     synced.append(fqn)
             else:
                 _broadcast_plain(tensor)

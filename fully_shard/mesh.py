@@ -54,6 +54,56 @@ def default_mesh() -> DeviceMesh:
 
 
 @dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Which named dims of a full SPMD mesh are data parallel (torch 2.13's ``DataParallelMeshDims``).
+
+    Passed as ``fully_shard(module, mesh=full_mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))``: the
+    parameters are DTensors on ``full_mesh`` with ``Replicate()`` on these dims; FSDP shards over
+    ``shard`` and (HSDP) all-reduces gradients over ``replicate``. torch's own object is accepted too.
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("DataParallelMeshDims(shard=None, replicate=None): at least one of shard or "
+                             "replicate must name a mesh dim. Fix: DataParallelMeshDims(shard='dp').")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+    @classmethod
+    def coerce(cls, dims: Any) -> DataParallelMeshDims:
+        """Ours, or anything with ``shard``/``replicate`` attributes (torch's dataclass)."""
+        if isinstance(dims, cls):
+            return dims
+        if not (hasattr(dims, "shard") and hasattr(dims, "replicate")):
+            raise TypeError(f"dp_mesh_dims must be a DataParallelMeshDims(shard=..., replicate=...), got "
+                            f"{dims!r}. Fix: from fully_shard import DataParallelMeshDims.")
+        return cls(shard=dims.shard, replicate=dims.replicate)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _check_world(mesh: DeviceMesh) -> None:
+    world = dist.get_world_size()
+    if mesh.size() > world:
+        raise ValueError(f"mesh of shape {tuple(mesh.shape)} has {mesh.size()} ranks but the world has "
+                         f"{world}. Fix: build the mesh from the launched world, e.g. "
+                         f"init_device_mesh(device, ({world},)).")
+
+
+@dataclass(frozen=True)
 class SubgroupInfo:
     """The ranks one all-gather runs over: a unit's whole shard group, or the k-rank subgroup a
     partially resharded unit gathers in (reshard_after_forward=k)."""
@@ -65,7 +115,8 @@ class SubgroupInfo:
 
 @dataclass(frozen=True)
 class MeshInfo:
-    """The mesh a group shards over: a 1-D ``(shard,)`` or HSDP 2-D ``(replicate, shard)`` mesh."""
+    """The mesh a group shards over: a 1-D ``(shard,)`` or HSDP 2-D ``(replicate, shard)`` mesh (with
+    ``dp_mesh_dims``: those dims of ``spmd_mesh``, the full mesh the parameters are DTensors on)."""
 
     mesh: DeviceMesh
     shard_group: dist.ProcessGroup
@@ -73,24 +124,53 @@ class MeshInfo:
     shard_world: int
     replicate_group: dist.ProcessGroup | None = None
     replicate_world: int = 1
+    spmd_mesh: DeviceMesh | None = None  # dp_mesh_dims: the full mesh the parameters live on
+    dp_mesh_dims: DataParallelMeshDims | None = None
 
     @classmethod
-    def of(cls, mesh: DeviceMesh) -> MeshInfo:
-        """Check that ``mesh`` is one fully_shard supports and read its groups."""
+    def of(cls, mesh: DeviceMesh, dp_mesh_dims: Any = None) -> MeshInfo:
+        """Check that ``mesh`` is one fully_shard supports and read its groups (``dp_mesh_dims``: ``mesh``
+        is the full SPMD mesh and the named dims are the data-parallel ones)."""
+        if dp_mesh_dims is not None:
+            return cls._of_spmd(mesh, DataParallelMeshDims.coerce(dp_mesh_dims))
         if mesh.ndim not in (1, 2):
             raise ValueError(
                 f"fully_shard supports a 1-D mesh (FSDP) or a 2-D mesh ('replicate', 'shard') (HSDP); got a "
                 f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}. Fix: pass the FSDP sub-mesh, e.g. "
-                "mesh['dp'] or mesh['dp_replicate', 'dp_shard'].")
-        world = dist.get_world_size()
-        if mesh.size() > world:
-            raise ValueError(f"mesh of shape {tuple(mesh.shape)} has {mesh.size()} ranks but the world has "
-                             f"{world}. Fix: build the mesh from the launched world, e.g. "
-                             f"init_device_mesh(device, ({world},)).")
+                "mesh['dp'] or mesh['dp_replicate', 'dp_shard'] (tensor-parallel dims stay on the parameters' "
+                "DTensors), or pass the full mesh with dp_mesh_dims=DataParallelMeshDims(shard='dp').")
+        _check_world(mesh)
         if mesh.ndim == 1:
             return cls(mesh, mesh.get_group(0), mesh.get_local_rank(0), mesh.size(0))
         return cls(mesh, mesh.get_group(1), mesh.get_local_rank(1), mesh.size(1),
                    replicate_group=mesh.get_group(0), replicate_world=mesh.size(0))
+
+    @classmethod
+    def _of_spmd(cls, mesh: DeviceMesh, dims: DataParallelMeshDims) -> MeshInfo:
+        names = mesh.mesh_dim_names
+        if names is None:
+            raise ValueError(f"dp_mesh_dims={dims} names mesh dims, but the mesh of shape {tuple(mesh.shape)} has "
+                             "no mesh_dim_names. Fix: init_device_mesh(..., mesh_dim_names=('dp', 'tp')).")
+        for name in (*dims.shard_names, *dims.replicate_names):
+            if name not in names:
+                raise ValueError(f"dp_mesh_dims={dims} names mesh dim {name!r}, but the mesh's dims are {names}. "
+                                 "Fix: name existing dims of the mesh passed to fully_shard.")
+        if len(dims.shard_names) != 1 or len(dims.replicate_names) > 1:
+            raise ValueError(
+                f"dp_mesh_dims={dims}: this library shards over exactly one named mesh dim and replicates over at "
+                "most one (torch flattens several; pure replication is torch's replicate()). Fix: flatten the "
+                "dims into one named dim when building the mesh, e.g. DataParallelMeshDims(shard='dp', "
+                "replicate='dp_replicate').")
+        _check_world(mesh)
+        shard = mesh[dims.shard_names[0]]
+        if not dims.replicate_names:
+            return cls(shard, shard.get_group(0), shard.get_local_rank(0), shard.size(0),
+                       spmd_mesh=mesh, dp_mesh_dims=dims)
+        replicate = mesh[dims.replicate_names[0]]
+        dp = concatenate_meshes(replicate, shard, "<dp_mesh_dims>")
+        return cls(dp, shard.get_group(0), shard.get_local_rank(0), shard.size(0),
+                   replicate_group=replicate.get_group(0), replicate_world=replicate.size(0),
+                   spmd_mesh=mesh, dp_mesh_dims=dims)
 
     def sharded_placements(self, dim: int = 0) -> tuple[Placement, ...]:
         return (Replicate(), Shard(dim)) if self.mesh.ndim == 2 else (Shard(dim),)
@@ -152,3 +232,53 @@ def replicate_mesh(base: DeviceMesh) -> DeviceMesh:
         _REPLICATE_MESHES[key] = DeviceMesh(base.device_type, base.mesh.reshape(-1, 1),
                                             mesh_dim_names=("replicate", "shard"))
     return _REPLICATE_MESHES[key]
+
+
+_COMBINED: dict[tuple[object, int, DeviceMesh, DeviceMesh], DeviceMesh] = {}
+
+
+def concatenate_meshes(dp: DeviceMesh, tp: DeviceMesh, fqn: str) -> DeviceMesh:
+    """The mesh ``dp`` x ``tp`` (dp dims first) of two sub-meshes of one root mesh, created once per pair
+    so every parameter of a model shares one object (and its process groups: no new group is made).
+
+    ``DeviceMesh._concatenate`` is the only way torch offers to join two slices of one root (what its
+    own fully_shard uses for TP parameters); ``root_mesh`` tells whether they share a root. Errors name
+    the parameter ``fqn`` and the fix."""
+    key = (*_world_key(), dp, tp)
+    if key in _COMBINED:
+        return _COMBINED[key]
+    dp_names, tp_names = dp.mesh_dim_names or (), tp.mesh_dim_names or ()
+    overlap = sorted(set(dp_names) & set(tp_names))
+    shared_ranks = set(dp.mesh.reshape(-1).tolist()) & set(tp.mesh.reshape(-1).tolist())
+    if overlap or shared_ranks != {dist.get_rank()}:
+        raise ValueError(
+            f"parameter {fqn!r} is a DTensor on the mesh {_dims(tp)} and fully_shard was given the mesh {_dims(dp)}: "
+            f"they overlap (shared dims {overlap or 'by ranks'}), so the data-parallel mesh would shard what tensor "
+            "parallelism already splits. Fix: pass only the data-parallel dims, e.g. fully_shard(block, "
+            "mesh=mesh['dp']) with parallelize_module(block, mesh['tp'], ...), or the full mesh with "
+            "dp_mesh_dims=DataParallelMeshDims(shard='dp').")
+    if root_mesh(dp) is not root_mesh(tp) or not dp_names or not tp_names:
+        raise ValueError(
+            f"parameter {fqn!r} is a DTensor on the mesh {_dims(tp)}, which is not a sub-mesh of the same root "
+            f"mesh as the fully_shard mesh {_dims(dp)} (both need dim names, sliced from one init_device_mesh). "
+            "Fix: mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')); "
+            "parallelize_module(block, mesh['tp'], plan); fully_shard(block, mesh=mesh['dp']).")
+    try:
+        combined = DeviceMesh._concatenate([dp, tp])
+    except RuntimeError as e:
+        raise ValueError(f"parameter {fqn!r}: cannot combine the fully_shard mesh {_dims(dp)} with its DTensor's "
+                         f"mesh {_dims(tp)} ({e}). Fix: slice both from one init_device_mesh(...), data-parallel "
+                         "dims first.") from None
+    _COMBINED[key] = combined
+    return combined
+
+
+def _dims(mesh: DeviceMesh) -> str:
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return "(" + ", ".join(f"{n}={s}" for n, s in zip(names, mesh.shape)) + ")"
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from (itself if it is a root). ``_get_root_mesh`` is torch's only
+    accessor; this is its one use."""
+    return mesh._get_root_mesh()

@@ -4,7 +4,9 @@ See design/param-lifecycle.md. The sharded form is an ``nn.Parameter`` wrapping 
 tensor is this rank's unpadded ``torch.chunk`` shard (placement ``Shard(0)``; ``Replicate()`` for
 0-dim parameters). The unsharded form is one ``nn.Parameter`` object kept for the module's lifetime;
 its storage is allocated on unshard and freed (resized to 0) on reshard, so autograd's saved
-references stay valid while the memory is returned between uses.
+references stay valid while the memory is returned between uses. A DTensor parameter on a TP/EP mesh
+is sharded locally, on the combined mesh (spmd.py, design/2d-params.md); its unsharded form is that
+TP DTensor again, wrapping the same reusable storage.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from .layout import DimZeroLayout
 from .mesh import MeshInfo
+from .spmd import ParamSpec, local_grad, spec_of
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -37,10 +40,14 @@ class ShardedParam:
         self.storage_device = storage_device  # where the shard lives (CPU under offload)
         self.pin_memory = pin_memory
         self.requires_grad = param.requires_grad
-        self.global_shape = tuple(param.shape)
+        self.global_shape = tuple(param.shape)  # of the DTensor (the whole parameter)
         # Sharding along dim d uses the dim-0 layout of the tensor with d moved to the front.
         self.shard_dim = shard_dim if self.global_shape else 0
-        moved = list(self.global_shape)
+        # What FSDP shards and gathers: the parameter, or a TP DTensor's local tensor (spmd.py).
+        self.spec: ParamSpec
+        self.spec, data = spec_of(param, fqn, mesh_info, self.shard_dim)
+        self.unsharded_shape = tuple(data.shape)
+        moved = list(self.unsharded_shape)
         if moved:
             moved.insert(0, moved.pop(self.shard_dim))
         self.layout = DimZeroLayout(tuple(moved), mesh_info.shard_world)
@@ -48,12 +55,12 @@ class ShardedParam:
         self._unsharded_padded: torch.Tensor | None = None  # owns the unsharded storage
         self._unsharded_write: torch.Tensor | None = None  # same storage, own version counter
         self.unsharded_accumulated_grad: torch.Tensor | None = None  # no-sync accumulation
-        self.sharded_param: DTensor = self._make_sharded(param)  # an nn.Parameter wrapping a DTensor
+        self.sharded_param: DTensor = self._make_sharded(data)  # an nn.Parameter wrapping a DTensor
 
     # --- sharded form -------------------------------------------------------------------------
-    def _make_sharded(self, param: torch.Tensor) -> DTensor:
-        data = param.detach()
-        if isinstance(data, DTensor):
+    def _make_sharded(self, data: torch.Tensor) -> DTensor:
+        data = data.detach()
+        if isinstance(data, DTensor):  # already on the FSDP mesh: re-shard its full value
             data = data.full_tensor()
         start, end = self.layout.row_range(self.mesh_info.shard_rank)
         local = data if self.layout.replicated else self.unmoved(self.moved(data)[start:end])
@@ -63,9 +70,8 @@ class ShardedParam:
         return self._wrap_local(local)
 
     def _wrap_local(self, local: torch.Tensor) -> DTensor:
-        placements = (self.mesh_info.replicated_placements if self.layout.replicated
-                      else self.mesh_info.sharded_placements(self.shard_dim))
-        dtensor = DTensor.from_local(local, self.mesh_info.mesh, placements, run_check=False,
+        placements = self.spec.replicated if self.layout.replicated else self.spec.sharded
+        dtensor = DTensor.from_local(local, self.spec.mesh, placements, run_check=False,
                                      shape=torch.Size(self.global_shape),
                                      stride=_contiguous_stride(self.global_shape))
         return nn.Parameter(dtensor, requires_grad=self.requires_grad)  # type: ignore[return-value]
@@ -119,7 +125,7 @@ class ShardedParam:
         existing = self.sharded_param.grad
         if not isinstance(existing, DTensor):
             self.sharded_param.grad = DTensor.from_local(
-                local_grad, self.mesh_info.mesh, self.sharded_param.placements, run_check=False,
+                local_grad, self.spec.mesh, self.sharded_param.placements, run_check=False,
                 shape=torch.Size(self.global_shape), stride=_contiguous_stride(self.global_shape))
         else:
             with torch.no_grad():
@@ -140,13 +146,24 @@ class ShardedParam:
             return
         padded = torch.empty(self._unsharded_numel, dtype=dtype, device=device)
         if self.staged_gather and not self.layout.replicated:  # Shard(d > 0): contiguous, like torch
-            view = padded.view(self.global_shape)
+            view = padded.view(self.unsharded_shape)
         else:
             view = padded[:self.layout.numel].view(self.layout.shape)
         self._unsharded_padded = padded
         self._unsharded_write = padded.data
-        self.unsharded_param = nn.Parameter(view, requires_grad=self.requires_grad)
+        self.unsharded_param = nn.Parameter(self._as_unsharded(view), requires_grad=self.requires_grad)
         self.free_unsharded()
+
+    def _as_unsharded(self, view: torch.Tensor) -> torch.Tensor:
+        """The tensor registered for forward: ``view`` itself, or for a TP parameter the TP DTensor whose
+        local tensor is ``view`` (so freeing/reallocating ``view``'s storage is seen through it)."""
+        if not self.spec.is_dtensor:
+            return view
+        assert self.spec.unsharded_mesh is not None and self.spec.unsharded is not None
+        with torch.no_grad():
+            return DTensor.from_local(view, self.spec.unsharded_mesh, self.spec.unsharded, run_check=False,
+                                      shape=torch.Size(self.global_shape),
+                                      stride=_contiguous_stride(self.global_shape))
 
     @property
     def staged_gather(self) -> bool:
@@ -165,14 +182,14 @@ class ShardedParam:
             self.unsharded_write.copy_(rows[0])
             return
         gathered = rows.reshape(-1)[:self.layout.numel].view(self.layout.shape)
-        self.unsharded_write.view(self.global_shape).copy_(self.unmoved(gathered))
+        self.unsharded_write.view(self.unsharded_shape).copy_(self.unmoved(gathered))
 
     def unsharded_rows(self, world: int, size: int) -> torch.Tensor:
         """The unsharded value in the communication layout, ``(world, padded shard)`` (a view for
         ``Shard(0)``; a padded copy for ``Shard(d > 0)``)."""
         if self.shard_dim == 0:
             return self.unsharded_write.view(world, size)
-        flat = self.moved(self.unsharded_write.view(self.global_shape)).reshape(-1)
+        flat = self.moved(self.unsharded_write.view(self.unsharded_shape)).reshape(-1)
         return F.pad(flat, (0, world * size - flat.numel())).view(world, size)
 
     @property
@@ -205,10 +222,13 @@ class ShardedParam:
             module._parameters[name] = self.unsharded_param
 
     def take_unsharded_grad(self) -> torch.Tensor | None:
-        """Pop the gradient autograd accumulated on the unsharded parameter (plus no-sync sums)."""
+        """Pop the gradient autograd accumulated on the unsharded parameter (plus no-sync sums); a TP
+        DTensor gradient comes back as its local tensor in the parameter's TP placements."""
         grad = self.unsharded_param.grad if self.unsharded_param is not None else None
         if self.unsharded_param is not None:
             self.unsharded_param.grad = None
+        if grad is not None:
+            grad = local_grad(grad, self.spec)
         acc = self.unsharded_accumulated_grad
         self.unsharded_accumulated_grad = None
         if acc is None:
@@ -221,6 +241,7 @@ class ShardedParam:
         if grad is None:
             return
         self.unsharded_param.grad = None  # type: ignore[union-attr]
+        grad = local_grad(grad, self.spec)
         if self.unsharded_accumulated_grad is None:
             self.unsharded_accumulated_grad = grad.to(dtype, copy=grad.dtype == dtype)
         else:
@@ -237,7 +258,17 @@ class ShardedParam:
             dims = ["@replicate"]
         else:
             dims[self.shard_dim] += f"@shard/{self.mesh_info.shard_world}"
-        return f"{fqn} {dtype_name(self.orig_dtype)}[{', '.join(dims)}] {state}"
+        tp = ""
+        if self.spec.is_dtensor:  # e.g. "blocks.0.up.weight f32[64@shard/2@tp/2, 32] SHARDED"
+            mesh, placements = self.spec.unsharded_mesh, self.spec.unsharded
+            assert mesh is not None and placements is not None
+            names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+            for i, (name, p) in enumerate(zip(names, placements)):
+                d = getattr(p, "dim", None)
+                if i not in self.spec.dp_dims and d is not None and not self.layout.replicated:
+                    dims[d] += f"@{name}/{mesh.size(i)}"
+            tp = f" {self.spec.describe()}"
+        return f"{fqn} {dtype_name(self.orig_dtype)}[{', '.join(dims)}] {state}{tp}"
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

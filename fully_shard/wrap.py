@@ -523,7 +523,7 @@ def _applied_report(fqn: str, modules: tuple[str, ...], module: nn.Module, raf: 
     group = state.group
     if group is None:
         return UnitReport(fqn, modules, 0, 0, 0, 0, raf)
-    shapes = [(p.global_shape, p.orig_dtype) for p in group.params]
+    shapes = [(p.unsharded_shape, p.orig_dtype) for p in group.params]  # what is gathered (TP: local)
     return _report(fqn, modules, shapes, group.mesh_info.shard_world, group.mp_policy.param_dtype, raf,
                    gathered=group.unsharded_nbytes)
 

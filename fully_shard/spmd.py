@@ -1,0 +1,161 @@
+"""2-D/3-D parameters: how a managed parameter lies on the meshes (FSDP mesh, TP/EP mesh, full SPMD mesh).
+
+See design/2d-params.md. A plain parameter is sharded over the FSDP mesh alone. A parameter that is
+already a ``DTensor`` (``parallelize_module`` put it on a TP or EP mesh) is sharded *locally*: its TP
+shard is split along ``shard_dim`` over the FSDP mesh, and the sharded parameter is a DTensor on the
+combined mesh (FSDP dims first) with torch 2.13's placements::
+
+    Colwise weight   TP (Shard(0),)   ->  (_StridedShard(0, split_factor=tp), Shard(0))
+    Rowwise weight   TP (Shard(1),)   ->  (Shard(0), Shard(1))
+    Replicate bias   TP (Replicate(),) -> (Shard(0), Replicate())
+    HSDP adds a leading Replicate(); a 0-dim parameter is Replicate() on the FSDP dims.
+
+With ``dp_mesh_dims`` the parameter is a DTensor on the full SPMD mesh, ``Replicate()`` on the
+data-parallel dims; the FSDP shard dim's placement becomes ``Shard(d)`` (``_StridedShard`` when a later
+mesh dim shards ``d`` too) and every other placement is kept.
+
+The gathered (unsharded) parameter is the original DTensor again (local tensor: this rank's TP shard),
+so the TP layouts of ``parallelize_module`` apply unchanged in forward and backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+# torch's own placement for "FSDP shards a dim that TP already sharded" (the dp chunks are taken of
+# each TP shard): only the private class exists; used here and nowhere else.
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .mesh import MeshInfo, concatenate_meshes
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter's meshes and placements.
+
+    ``mesh``/``sharded``: the sharded DTensor (and its gradient); ``replicated``: the same for a 0-dim
+    parameter. ``unsharded_mesh``/``unsharded``: the gathered DTensor registered for forward (None: a plain
+    tensor). ``dp_dims``: dims of ``unsharded_mesh`` that are data parallel (``dp_mesh_dims`` only): a
+    gradient keeps its placements there, FSDP's reduce-scatter/all-reduce resolves them."""
+
+    mesh: DeviceMesh
+    sharded: tuple[Placement, ...]
+    replicated: tuple[Placement, ...]
+    unsharded_mesh: DeviceMesh | None = None
+    unsharded: tuple[Placement, ...] | None = None
+    dp_dims: frozenset[int] = frozenset()
+
+    @property
+    def is_dtensor(self) -> bool:
+        return self.unsharded_mesh is not None
+
+    def describe(self) -> str:
+        """``(_StridedShard(dim=0, sf=2), Shard(dim=0)) on (dp=2, tp=2)`` (the same-call check, repr)."""
+        names = self.mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(self.mesh.ndim))
+        shape = ", ".join(f"{n}={s}" for n, s in zip(names, self.mesh.shape))
+        return f"{tuple(self.sharded)} on ({shape})"
+
+
+def plain_spec(mesh_info: MeshInfo, shard_dim: int) -> ParamSpec:
+    return ParamSpec(mesh_info.mesh, mesh_info.sharded_placements(shard_dim), mesh_info.replicated_placements)
+
+
+def spec_of(param: torch.Tensor, fqn: str, mesh_info: MeshInfo, shard_dim: int) -> tuple[ParamSpec, torch.Tensor]:
+    """The spec of ``param`` and the tensor FSDP shards (the TP-local tensor of a DTensor parameter)."""
+    if mesh_info.spmd_mesh is not None:
+        if not isinstance(param, DTensor):
+            raise ValueError(
+                f"parameter {fqn!r} is a plain tensor, but fully_shard was given dp_mesh_dims: every managed "
+                f"parameter must then be a DTensor on the full mesh {_mesh_str(mesh_info.spmd_mesh)}, Replicate() "
+                "on the data-parallel dims. Fix: distribute it first (distribute_module / parallelize_module on "
+                "the full mesh), or drop dp_mesh_dims and pass mesh=<the data-parallel sub-mesh>.")
+        return _spmd_spec(param, fqn, mesh_info, shard_dim), param._local_tensor
+    if not isinstance(param, DTensor):
+        return plain_spec(mesh_info, shard_dim), param
+    if param.device_mesh == mesh_info.mesh:  # already on the FSDP mesh (e.g. a re-wrapped shard): gather
+        return plain_spec(mesh_info, shard_dim), param
+    return _tp_spec(param, fqn, mesh_info, shard_dim), param._local_tensor
+
+
+def _tp_spec(param: DTensor, fqn: str, mesh_info: MeshInfo, shard_dim: int) -> ParamSpec:
+    tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
+    _check_no_partial(tp_placements, fqn, tp_mesh)
+    if tp_mesh.device_type != mesh_info.mesh.device_type:
+        raise ValueError(
+            f"parameter {fqn!r} is a DTensor on a {tp_mesh.device_type!r} mesh but the FSDP mesh is on "
+            f"{mesh_info.mesh.device_type!r}. Fix: build both from one init_device_mesh(...) call.")
+    combined = concatenate_meshes(mesh_info.mesh, tp_mesh, fqn)
+    tp_shards = 1
+    for dim, p in zip(range(tp_mesh.ndim), tp_placements):
+        if _shard_dim_of(p) == shard_dim and param.dim() > 0:
+            tp_shards *= tp_mesh.size(dim)
+    fsdp: Placement = _StridedShard(shard_dim, split_factor=tp_shards) if tp_shards > 1 else Shard(shard_dim)
+    lead = (Replicate(),) if mesh_info.mesh.ndim == 2 else ()  # HSDP: replicated over the replica dim
+    return ParamSpec(combined, (*lead, fsdp, *tp_placements), (*lead, Replicate(), *tp_placements),
+                     tp_mesh, tp_placements)
+
+
+def _spmd_spec(param: DTensor, fqn: str, mesh_info: MeshInfo, shard_dim: int) -> ParamSpec:
+    full, placements = param.device_mesh, tuple(param.placements)
+    assert mesh_info.spmd_mesh is not None and mesh_info.dp_mesh_dims is not None
+    if full != mesh_info.spmd_mesh:
+        raise ValueError(
+            f"parameter {fqn!r} is a DTensor on {_mesh_str(full)}, not on the mesh passed to fully_shard with "
+            f"dp_mesh_dims ({_mesh_str(mesh_info.spmd_mesh)}). Fix: distribute every parameter on that one "
+            "full mesh, or pass it in ignored_params.")
+    _check_no_partial(placements, fqn, full)
+    names = full.mesh_dim_names or ()
+    dims = mesh_info.dp_mesh_dims
+    dp_index = {n: names.index(n) for n in (*dims.shard_names, *dims.replicate_names)}
+    for name, idx in dp_index.items():
+        if not placements[idx].is_replicate():
+            raise ValueError(
+                f"parameter {fqn!r} has placement {placements[idx]} on data-parallel mesh dim {name!r} (placements "
+                f"{placements} on {_mesh_str(full)}); with dp_mesh_dims FSDP expects Replicate() there and does "
+                f"the sharding itself. Fix: distribute it with Replicate() on {name!r}.")
+    new = list(placements)
+    for name in dims.shard_names:
+        idx = dp_index[name]
+        later = 1
+        for j in range(idx + 1, full.ndim):
+            if _shard_dim_of(placements[j]) == shard_dim and param.dim() > 0:
+                later *= full.size(j)
+        new[idx] = _StridedShard(shard_dim, split_factor=later) if later > 1 else Shard(shard_dim)
+    return ParamSpec(full, tuple(new), placements, full, placements, frozenset(dp_index.values()))
+
+
+def _shard_dim_of(p: Placement) -> int | None:
+    if isinstance(p, (Shard, _StridedShard)):
+        return int(p.dim)
+    return None
+
+
+def _check_no_partial(placements: tuple[Placement, ...], fqn: str, mesh: DeviceMesh) -> None:
+    if any(p.is_partial() for p in placements):
+        raise ValueError(
+            f"parameter {fqn!r} is a DTensor with placements {placements} on {_mesh_str(mesh)}: a Partial() "
+            "parameter holds pending sums, not values, so it cannot be sharded or all-gathered. Fix: "
+            "redistribute it to Replicate() (or Shard(d)) before fully_shard, e.g. "
+            "param.redistribute(placements=[Replicate()]), or pass it in ignored_params.")
+
+
+def _mesh_str(mesh: DeviceMesh) -> str:
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return "mesh(" + ", ".join(f"{n}={s}" for n, s in zip(names, mesh.shape)) + ")"
+
+
+def local_grad(grad: torch.Tensor, spec: ParamSpec) -> torch.Tensor:
+    """The tensor FSDP reduces for a gradient of the unsharded parameter: a plain gradient as is; a
+    DTensor gradient redistributed to the parameter's placements (e.g. a ``Partial`` gradient of a
+    ``Replicate`` bias all-reduced over TP) except on data-parallel dims, then its local tensor."""
+    if not isinstance(grad, DTensor):
+        return grad
+    assert spec.unsharded is not None
+    target = tuple(g if i in spec.dp_dims else p for i, (g, p) in enumerate(zip(grad.placements, spec.unsharded)))
+    if target != tuple(grad.placements):
+        grad = grad.redistribute(placements=target)
+    return grad.to_local()

@@ -1,0 +1,122 @@
+"""A tiny TP-able transformer for the 2-D tests: attention q/k/v colwise + o rowwise, MLP up colwise +
+down rowwise, plain LayerNorms (mixed with TP parameters in one unit), plain embedding and head."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+VOCAB, DIM, HEAD_DIM, HIDDEN, SEQ = 61, 32, 8, 42, 8  # HIDDEN 42: TP-local 21 rows, uneven over dp=2
+
+
+class TPBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(DIM)
+        self.q = nn.Linear(DIM, DIM)
+        self.k = nn.Linear(DIM, DIM, bias=False)
+        self.v = nn.Linear(DIM, DIM)
+        self.o = nn.Linear(DIM, DIM)
+        self.norm2 = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (z.view(b, t, -1, HEAD_DIM).transpose(1, 2) for z in (self.q(h), self.k(h), self.v(h)))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # this rank's heads
+        x = x + self.o(att.transpose(1, 2).reshape(b, t, -1))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class TPModel(nn.Module):
+    def __init__(self, n_blocks: int = 2) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(TPBlock() for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        for p in self.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=1 / math.sqrt(p.shape[-1]))
+            else:
+                nn.init.normal_(p, mean=1.0 if p.shape == (DIM,) else 0.0, std=0.1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x))
+
+
+PLAN = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel(),
+        "up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+def mesh_2d() -> DeviceMesh:
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def tensor_parallel(model: TPModel, tp_mesh: DeviceMesh) -> TPModel:
+    for blk in model.blocks:
+        parallelize_module(blk, tp_mesh, PLAN)
+    return model
+
+
+def shard_2d(model: TPModel, fully_shard: Callable[..., Any], dp_mesh: DeviceMesh, **kw: Any) -> TPModel:
+    for blk in model.blocks:
+        fully_shard(blk, mesh=dp_mesh, **kw)
+    fully_shard(model, mesh=dp_mesh, **kw)
+    return model
+
+
+def data(steps: int, batch: int = 4, seed: int = 7) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        d = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g)
+        out.append((d[:, :-1], d[:, 1:]))
+    return out
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def dp_slice(t: torch.Tensor, mesh: DeviceMesh, dim: str = "dp") -> torch.Tensor:
+    per = t.shape[0] // mesh[dim].size()
+    r = mesh[dim].get_local_rank()
+    return t[r * per:(r + 1) * per]
+
+
+def global_loss(loss: torch.Tensor, mesh: DeviceMesh, dim: str = "dp") -> float:
+    value = loss.detach().clone()
+    dist.all_reduce(value, group=mesh[dim].get_group())
+    return value.item() / mesh[dim].size()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def max_diff_to(model: nn.Module, ref: nn.Module) -> float:
+    ref_params = dict(ref.named_parameters())
+    return max((full(p.detach()).float() - full(ref_params[n].detach()).float()).abs().max().item()
+               for n, p in model.named_parameters())
+
+
+def fresh_pair() -> tuple[TPModel, TPModel]:
+    torch.manual_seed(0)
+    base = TPModel()
+    return base, copy.deepcopy(base)
