@@ -16,6 +16,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from fully_shard import MixedPrecisionPolicy, clip_grad_norm_, fully_shard, materialize_meta_module
 from tests.distributed.harness import distributed
 from tests.parallel.tp_common import (
+    DIM,
+    SpmdMLP,
     TPModel,
     data,
     dp_slice,
@@ -26,6 +28,8 @@ from tests.parallel.tp_common import (
     max_diff_to,
     mesh_2d,
     shard_2d,
+    spmd_reference,
+    spmd_reference_forward,
     tensor_parallel,
 )
 
@@ -290,3 +294,64 @@ def test_bad_inputs_raise_on_every_rank() -> None:
         assert "plain tensor" in r["spmd_plain"] and "'weight'" in r["spmd_plain"], r
         assert "'data'" in r["spmd_name"] and "Fix:" in r["spmd_name"], r
         assert "Replicate() there" in r["spmd_not_replicate"] and "'dp'" in r["spmd_not_replicate"], r
+
+
+# --- dp_mesh_dims (parameters on the full mesh) and 0-dim TP parameters -----------------------------
+@distributed(world_size=4)
+def _spmd_and_zero_dim() -> dict[str, Any]:
+    from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
+
+    mesh = mesh_2d()
+    out: dict[str, Any] = {}
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, DIM, generator=g), torch.randn(8, DIM, generator=g)) for _ in range(3)]
+    ours, theirs, ref = SpmdMLP(mesh), SpmdMLP(mesh), spmd_reference()
+    fully_shard(ours, mesh=mesh, dp_mesh_dims=_dims(shard="dp"))
+    _torch_fully_shard()(theirs, mesh=mesh, dp_mesh_dims=TorchDims(shard="dp"))
+    out["layout"], out["torch_layout"] = _layout(ours), _layout(theirs)
+    out["init_diff"] = _local_diff(ours, theirs)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs, ref)]
+    out["losses"] = []
+    for x, y in batches:
+        losses = [((ours(dp_slice(x, mesh)) - dp_slice(y, mesh)) ** 2).mean(),
+                  ((theirs(dp_slice(x, mesh)) - dp_slice(y, mesh)) ** 2).mean(),
+                  ((spmd_reference_forward(ref, x) - y) ** 2).mean()]
+        for loss, opt in zip(losses, opts):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        out["losses"].append((global_loss(losses[0], mesh), global_loss(losses[1], mesh), losses[2].item()))
+    out["final_diff"] = _local_diff(ours, theirs)
+    # torch's DataParallelMeshDims object is accepted as is
+    other = SpmdMLP(mesh)
+    fully_shard(other, mesh=mesh, dp_mesh_dims=TorchDims(shard="dp"))
+    out["torch_dims_layout"] = _layout(other)
+    # a 0-dim Replicate() TP parameter next to the 2-D ones, against the unsharded model
+    torch.manual_seed(0)
+    base = TPModel(gated=True)
+    model = shard_2d(tensor_parallel(copy.deepcopy(base), mesh["tp"]), fully_shard, mesh["dp"])
+    out["gate_placements"] = tuple(model.blocks[0].gate.placements)  # type: ignore[union-attr,index]
+    opt, opt_ref = _adamw(model), _adamw(base)
+    out["gate_losses"] = []
+    for x, y in data(3):
+        loss_ref = loss_fn(base(x), y)
+        loss_ref.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        out["gate_losses"].append((_step(model, opt, x, y, mesh), loss_ref.item()))
+    out["gate_diff"] = max_diff_to(model, base)
+    return out
+
+
+def test_dp_mesh_dims_and_zero_dim_tp_params() -> None:
+    for r in _spmd_and_zero_dim():
+        assert r["layout"] == r["torch_layout"] == r["torch_dims_layout"], r
+        assert r["layout"]["w2"][0] == (Shard(0), Shard(1)) and r["layout"]["b2"][0] == (Shard(0), Replicate())
+        assert r["init_diff"] == 0.0, r
+        for ours, theirs, ref in r["losses"]:
+            assert abs(ours - theirs) < 1e-5 and abs(ours - ref) < 2e-5, r["losses"]
+        assert r["final_diff"] < 1e-5, r
+        assert r["gate_placements"] == (Replicate(), Replicate()), r
+        for ours, ref in r["gate_losses"]:
+            assert abs(ours - ref) < 2e-5, r["gate_losses"]
+        assert r["gate_diff"] < 1e-4, r

@@ -13,15 +13,17 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 VOCAB, DIM, HEAD_DIM, HIDDEN, SEQ = 61, 32, 8, 42, 8  # HIDDEN 42: TP-local 21 rows, uneven over dp=2
 
 
 class TPBlock(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, gated: bool = False) -> None:
         super().__init__()
+        if gated:  # a 0-dim parameter (torch's fully_shard refuses these); a Replicate() DTensor under TP
+            self.gate = nn.Parameter(torch.tensor(0.9))
         self.norm1 = nn.LayerNorm(DIM)
         self.q = nn.Linear(DIM, DIM)
         self.k = nn.Linear(DIM, DIM, bias=False)
@@ -37,20 +39,24 @@ class TPBlock(nn.Module):
         q, k, v = (z.view(b, t, -1, HEAD_DIM).transpose(1, 2) for z in (self.q(h), self.k(h), self.v(h)))
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # this rank's heads
         x = x + self.o(att.transpose(1, 2).reshape(b, t, -1))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
+        mlp = self.down(F.gelu(self.up(self.norm2(x))))
+        if hasattr(self, "gate"):
+            gate = self.gate.to_local() if isinstance(self.gate, DTensor) else self.gate
+            mlp = gate * mlp
+        return x + mlp
 
 
 class TPModel(nn.Module):
-    def __init__(self, n_blocks: int = 2) -> None:
+    def __init__(self, n_blocks: int = 2, gated: bool = False) -> None:
         super().__init__()
         self.tok = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(TPBlock() for _ in range(n_blocks))
+        self.blocks = nn.ModuleList(TPBlock(gated) for _ in range(n_blocks))
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         for p in self.parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, std=1 / math.sqrt(p.shape[-1]))
-            else:
+            elif p.dim() == 1:
                 nn.init.normal_(p, mean=1.0 if p.shape == (DIM,) else 0.0, std=0.1)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -71,6 +77,8 @@ def mesh_2d() -> DeviceMesh:
 def tensor_parallel(model: TPModel, tp_mesh: DeviceMesh) -> TPModel:
     for blk in model.blocks:
         parallelize_module(blk, tp_mesh, PLAN)
+        if hasattr(blk, "gate"):
+            blk.gate = nn.Parameter(distribute_tensor(blk.gate.detach(), tp_mesh, [Replicate()]))
     return model
 
 
@@ -120,3 +128,38 @@ def fresh_pair() -> tuple[TPModel, TPModel]:
     torch.manual_seed(0)
     base = TPModel()
     return base, copy.deepcopy(base)
+
+
+class SpmdMLP(nn.Module):
+    """Parameters are DTensors on the full (dp, tp) mesh, Replicate() on dp (the dp_mesh_dims recipe);
+    the input is a DTensor sharded over dp."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(11)
+        self.mesh = mesh
+        self.w1 = nn.Parameter(distribute_tensor(torch.randn(HIDDEN, DIM, generator=g) / DIM**0.5, mesh,
+                                                 [Replicate(), Shard(0)]))
+        self.w2 = nn.Parameter(distribute_tensor(torch.randn(DIM, HIDDEN, generator=g) / HIDDEN**0.5, mesh,
+                                                 [Replicate(), Shard(1)]))
+        self.b2 = nn.Parameter(distribute_tensor(torch.randn(DIM, generator=g) * 0.1, mesh, [Replicate(), Replicate()]))
+
+    def forward(self, x_local: torch.Tensor) -> torch.Tensor:
+        x = DTensor.from_local(x_local, self.mesh, [Shard(0), Replicate()])
+        h = F.gelu(x @ self.w1.t())
+        out = (h @ self.w2.t()).redistribute(placements=[Shard(0), Replicate()]) + self.b2
+        return out.to_local()
+
+
+def spmd_reference() -> nn.Module:
+    """SpmdMLP's math on plain tensors (same init)."""
+    g = torch.Generator().manual_seed(11)
+    ref = nn.Module()
+    ref.w1 = nn.Parameter(torch.randn(HIDDEN, DIM, generator=g) / DIM**0.5)
+    ref.w2 = nn.Parameter(torch.randn(DIM, HIDDEN, generator=g) / HIDDEN**0.5)
+    ref.b2 = nn.Parameter(torch.randn(DIM, generator=g) * 0.1)
+    return ref
+
+
+def spmd_reference_forward(ref: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x @ ref.w1.t()) @ ref.w2.t() + ref.b2
