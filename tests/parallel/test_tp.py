@@ -211,6 +211,20 @@ def _meta_and_dcp(path: str) -> dict[str, Any]:
         opt_ref.step()
         opt_ref.zero_grad()
         out["meta_losses"].append((_step(model, opt, x, y, mesh), loss_ref.item()))
+    # module.to_empty() + reset_parameters(): the sharded parameters are re-read at lazy init
+    with torch.device("meta"):
+        meta = TPModel(n_blocks=1)
+    empty = shard_2d(tensor_parallel(meta, mesh["tp"]), fully_shard, mesh["dp"]).to_empty(device="cpu")
+    torch.manual_seed(1)  # the same stream on every rank: replicas agree
+    for m in empty.modules():
+        if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding)):
+            m.reset_parameters()
+    empty_ref = TPModel(n_blocks=1)
+    with torch.no_grad():
+        for n, p in empty_ref.named_parameters():
+            p.copy_(full(dict(empty.named_parameters())[n]))
+    x, y = batches[0]
+    out["to_empty"] = (_step(empty, _adamw(empty), x, y, mesh), loss_fn(empty_ref(x), y).item())
     # DCP round trip of model + optimizer, then resume: a fresh 2-D model continues the same losses
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
@@ -242,6 +256,7 @@ def test_meta_init_and_dcp(tmp_path: Any) -> None:
         for ours, ref in r["meta_losses"]:
             assert abs(ours - ref) < 2e-5, r["meta_losses"]
         assert r["dcp_param_diff"] == 0.0 and r["dcp_state_diff"] == 0.0, r
+        assert abs(r["to_empty"][0] - r["to_empty"][1]) < 2e-5, r["to_empty"]
         for a, b in r["resume"]:
             assert abs(a - b) < 2e-5, r["resume"]
 
