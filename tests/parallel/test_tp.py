@@ -78,6 +78,8 @@ def _parity() -> dict[str, Any]:
                            "init_local_diff": _local_diff(ours, theirs), "init_full_diff": max_diff_to(ours, base),
                            "repr": ours.fsdp_repr()}  # type: ignore[operator]
     opt_ours, opt_theirs, opt_ref = _adamw(ours), _adamw(theirs), _adamw(ref)
+    paths: list[str] = []  # the local-shard step (optimizer.py) hands step() a stand-in optimizer
+    opt_ours.register_step_pre_hook(lambda o, args, kw: paths.append("dtensor" if args[0] is o else "local"))
     sd = ours.state_dict()
     sd_local = {k: (v.to_local().data_ptr(), tuple(v.to_local().shape)) for k, v in sd.items()}
     losses = []
@@ -99,6 +101,7 @@ def _parity() -> dict[str, Any]:
             opt.zero_grad()
         losses.append((global_loss(l_ours, mesh), global_loss(l_theirs, mesh), l_ref.item()))
     out["losses"] = losses
+    out["paths"] = paths
     out["final_local_diff"] = _local_diff(ours, theirs)
     out["final_ref_diff"] = max_diff_to(ours, ref)
     sd_after = ours.state_dict()
@@ -125,6 +128,7 @@ def test_parity_with_torch_and_unsharded() -> None:
             assert abs(ours - ref) < 2e-5, r["losses"]
         assert r["losses"][-1][0] < r["losses"][0][0] - 0.1, r["losses"]  # it trains
         assert r["final_local_diff"] < 1e-5 and r["final_ref_diff"] < 1e-4, r
+        assert r["paths"] == ["dtensor"] + ["local"] * (STEPS - 1), r["paths"]  # 2-D params step locally
         assert r["sd_stable"] and r["sd_keys_equal_torch"] and r["load_diff"] == 0.0, r
         assert "blocks.0.up.weight f32[42@shard/2@tp/2, 32] SHARDED (_StridedShard" in r["repr"], r["repr"]
         assert "blocks.0.down.bias f32[32@shard/2] SHARDED (Shard(dim=0), Replicate())" in r["repr"], r["repr"]
