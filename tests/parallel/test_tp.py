@@ -27,6 +27,7 @@ from tests.parallel.tp_common import (
     loss_fn,
     max_diff_to,
     mesh_2d,
+    sequence_parallel,
     shard_2d,
     spmd_reference,
     spmd_reference_forward,
@@ -148,6 +149,20 @@ def _variants() -> dict[str, Any]:
         o1, o2 = _adamw(ours), _adamw(theirs)
         out[name] = [(_step(ours, o1, x, y, mesh), _step(theirs, o2, x, y, mesh)) for x, y in batches]
         out[name + "_diff"] = _local_diff(ours, theirs)
+    # sequence parallel: Replicate() LayerNorm weights with Partial gradients (all-reduced over tp first)
+    base, ref = fresh_pair()
+    ours = shard_2d(sequence_parallel(copy.deepcopy(base), mesh["tp"]), fully_shard, mesh["dp"])
+    theirs = shard_2d(sequence_parallel(copy.deepcopy(base), mesh["tp"]), _torch_fully_shard(), mesh["dp"])
+    out["sp_layout"], out["sp_torch_layout"] = _layout(ours), _layout(theirs)
+    o1, o2, o3 = _adamw(ours), _adamw(theirs), _adamw(ref)
+    out["sp"] = []
+    for x, y in batches:
+        loss_ref = loss_fn(ref(x), y)
+        loss_ref.backward()
+        o3.step()
+        o3.zero_grad()
+        out["sp"].append((_step(ours, o1, x, y, mesh), _step(theirs, o2, x, y, mesh), loss_ref.item()))
+    out["sp_diff"] = _local_diff(ours, theirs)
     # no-sync: two micro-batches, the first without gradient sync, vs the unsharded model on both
     base, ref = fresh_pair()
     ours = shard_2d(tensor_parallel(copy.deepcopy(base), mesh["tp"]), fully_shard, mesh["dp"])
@@ -176,6 +191,11 @@ def test_mixed_precision_raf_no_sync_clip() -> None:
             for ours, theirs in r[name]:
                 assert abs(ours - theirs) < 1e-5, (name, r[name])
             assert r[name + "_diff"] < 1e-5, (name, r)
+        assert r["sp_layout"] == r["sp_torch_layout"], r
+        assert r["sp_layout"]["blocks.0.norm1.weight"][0] == (Shard(0), Replicate()), r["sp_layout"]
+        for ours, theirs, ref in r["sp"]:
+            assert abs(ours - theirs) < 1e-5 and abs(ours - ref) < 2e-5, r["sp"]
+        assert r["sp_diff"] < 1e-5, r
         assert r["no_sync_grads"] == 0, r  # nothing reduced while sync is off
         assert r["no_sync_diff"] < 1e-5, r
         assert r["norm"] > 0.5 and abs(r["norm"] - r["ref_norm"]) < 1e-5, r

@@ -14,7 +14,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 VOCAB, DIM, HEAD_DIM, HIDDEN, SEQ = 61, 32, 8, 42, 8  # HIDDEN 42: TP-local 21 rows, uneven over dp=2
 
@@ -34,11 +39,10 @@ class TPBlock(nn.Module):
         self.down = nn.Linear(HIDDEN, DIM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        h = self.norm1(x)
-        q, k, v = (z.view(b, t, -1, HEAD_DIM).transpose(1, 2) for z in (self.q(h), self.k(h), self.v(h)))
+        h = self.norm1(x)  # (under sequence parallel x is this rank's sequence chunk; q/k/v see it all)
+        q, k, v = (z.unflatten(-1, (-1, HEAD_DIM)).transpose(1, 2) for z in (self.q(h), self.k(h), self.v(h)))
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # this rank's heads
-        x = x + self.o(att.transpose(1, 2).reshape(b, t, -1))
+        x = x + self.o(att.transpose(1, 2).flatten(2))
         mlp = self.down(F.gelu(self.up(self.norm2(x))))
         if hasattr(self, "gate"):
             gate = self.gate.to_local() if isinstance(self.gate, DTensor) else self.gate
@@ -61,13 +65,33 @@ class TPModel(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx)
+        sp: DeviceMesh | None = getattr(self, "sp_mesh", None)
+        if sp is not None:  # sequence parallel: the blocks see this rank's chunk of the sequence
+            # (a redistribute, not a chunk: its backward all-gathers, so the embedding gets every position's grad)
+            x = DTensor.from_local(x, sp, [Replicate()]).redistribute(placements=[Shard(1)]).to_local()
         for blk in self.blocks:
             x = blk(x)
+        if sp is not None:
+            x = DTensor.from_local(x, sp, [Shard(1)]).full_tensor()
         return self.head(self.norm(x))
 
 
 PLAN = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel(),
         "up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+SP_PLAN = {"norm1": SequenceParallel(), "q": ColwiseParallel(input_layouts=Shard(1)),
+           "k": ColwiseParallel(input_layouts=Shard(1)), "v": ColwiseParallel(input_layouts=Shard(1)),
+           "o": RowwiseParallel(output_layouts=Shard(1)), "norm2": SequenceParallel(),
+           "up": ColwiseParallel(input_layouts=Shard(1)), "down": RowwiseParallel(output_layouts=Shard(1))}
+
+
+def sequence_parallel(model: TPModel, tp_mesh: DeviceMesh) -> TPModel:
+    """TP + sequence parallel: LayerNorm weights become Replicate() DTensors whose gradients are Partial."""
+    model.sp_mesh = tp_mesh
+    for blk in model.blocks:
+        parallelize_module(blk, tp_mesh, SP_PLAN)
+    return model
 
 
 def mesh_2d() -> DeviceMesh:
