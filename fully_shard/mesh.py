@@ -257,7 +257,8 @@ def concatenate_meshes(dp: DeviceMesh, tp: DeviceMesh, fqn: str) -> DeviceMesh:
             "parallelism already splits. Fix: pass only the data-parallel dims, e.g. fully_shard(block, "
             "mesh=mesh['dp']) with parallelize_module(block, mesh['tp'], ...), or the full mesh with "
             "dp_mesh_dims=DataParallelMeshDims(shard='dp').")
-    if root_mesh(dp) is not root_mesh(tp) or not dp_names or not tp_names:
+    # equal, not identical: torch treats value-equal meshes as one (a DTensor may hold an equal copy)
+    if root_mesh(dp) != root_mesh(tp) or not dp_names or not tp_names:
         raise ValueError(
             f"parameter {fqn!r} is a DTensor on the mesh {_dims(tp)}, which is not a sub-mesh of the same root "
             f"mesh as the fully_shard mesh {_dims(dp)} (both need dim names, sliced from one init_device_mesh). "

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 
 from fully_shard import MixedPrecisionPolicy, clip_grad_norm_, fully_shard, materialize_meta_module
 from tests.distributed.harness import distributed
@@ -35,6 +35,7 @@ from tests.parallel.tp_common import (
 )
 
 STEPS = 5
+TIMEOUT_S = 300  # each rank function takes ~5-20 s on an idle machine; DTensor dispatch slows ~10x under load
 
 
 def _torch_fully_shard() -> Any:
@@ -69,7 +70,7 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 
 # --- parity: torch's fully_shard and the unsharded reference ----------------------------------------
-@distributed(world_size=4)
+@distributed(world_size=4, timeout=TIMEOUT_S)
 def _parity() -> dict[str, Any]:
     mesh = mesh_2d()
     base, ref = fresh_pair()
@@ -136,7 +137,7 @@ def test_parity_with_torch_and_unsharded() -> None:
 
 
 # --- mixed precision, reshard_after_forward=False, no-sync accumulation, clipping -------------------
-@distributed(world_size=4)
+@distributed(world_size=4, timeout=TIMEOUT_S)
 def _variants() -> dict[str, Any]:
     mesh = mesh_2d()
     out: dict[str, Any] = {}
@@ -203,7 +204,7 @@ def test_mixed_precision_raf_no_sync_clip() -> None:
 
 
 # --- meta-device init, DCP get_state_dict/set_state_dict ---------------------------------------------
-@distributed(world_size=4)
+@distributed(world_size=4, timeout=TIMEOUT_S)
 def _meta_and_dcp(path: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -294,7 +295,7 @@ def _error(fn: Any) -> str:
     return "no error"
 
 
-@distributed(world_size=4)
+@distributed(world_size=4, timeout=TIMEOUT_S)
 def _bad_inputs() -> dict[str, str]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -304,8 +305,20 @@ def _bad_inputs() -> dict[str, str]:
     blk = tensor_parallel(TPModel(n_blocks=1), other["y"]).blocks[0]
     out["other_root"] = _error(lambda: fully_shard(blk, mesh=mesh["dp"]))
     blk = tensor_parallel(TPModel(n_blocks=1), mesh["tp"]).blocks[0]
-    out["overlap_1d"] = _error(lambda: fully_shard(blk, mesh=init_device_mesh("cpu", (4,))))
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    out["overlap_1d"] = _error(lambda: fully_shard(blk, mesh=world))
     out["overlap_names"] = _error(lambda: fully_shard(blk, mesh=mesh))
+    # the two dp replicas tensor-parallelize 'up' differently: the same-call check sees the placements
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    style = ColwiseParallel() if mesh["dp"].get_local_rank() == 0 else RowwiseParallel()
+    blk = TPModel(n_blocks=1).blocks[0]
+    parallelize_module(blk, mesh["tp"], {"up": style})
+    try:
+        fully_shard(blk, mesh=mesh["dp"])
+        out["plan_mismatch"] = "no error"
+    except RuntimeError as e:
+        out["plan_mismatch"] = str(e)
     lin = nn.Linear(4, 4)
     lin.weight = nn.Parameter(DTensor.from_local(torch.ones(4, 4), mesh["tp"], [Partial()]))
     out["partial"] = _error(lambda: fully_shard(lin, mesh=mesh["dp"]))
@@ -329,6 +342,8 @@ def test_bad_inputs_raise_on_every_rank() -> None:
         assert "'q.weight'" in r["other_root"] and "Fix:" in r["other_root"], r
         assert "overlap" in r["overlap_1d"] and "'q.weight'" in r["overlap_1d"] and "Fix:" in r["overlap_1d"], r
         assert "overlap" in r["overlap_names"] and "['tp']" in r["overlap_names"], r
+        assert "called differently across ranks" in r["plan_mismatch"], r["plan_mismatch"]
+        assert "up.weight" in r["plan_mismatch"] and "_StridedShard" in r["plan_mismatch"], r["plan_mismatch"]
         assert "Partial" in r["partial"] and "'weight'" in r["partial"] and "Fix:" in r["partial"], r
         assert "plain tensor" in r["spmd_plain"] and "'weight'" in r["spmd_plain"], r
         assert "'data'" in r["spmd_name"] and "Fix:" in r["spmd_name"], r
@@ -336,8 +351,8 @@ def test_bad_inputs_raise_on_every_rank() -> None:
 
 
 # --- dp_mesh_dims (parameters on the full mesh) and 0-dim TP parameters -----------------------------
-@distributed(world_size=4)
-def _spmd_and_zero_dim() -> dict[str, Any]:
+@distributed(world_size=4, timeout=TIMEOUT_S)
+def _spmd() -> dict[str, Any]:
     from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
 
     mesh = mesh_2d()
@@ -361,11 +376,46 @@ def _spmd_and_zero_dim() -> dict[str, Any]:
             opt.zero_grad()
         out["losses"].append((global_loss(losses[0], mesh), global_loss(losses[1], mesh), losses[2].item()))
     out["final_diff"] = _local_diff(ours, theirs)
+    # HSDP through dp_mesh_dims: replicate over 'dp', shard over 'tp' (no model parallel dim at all)
+    hsdp = []
+    for fs, dims in ((fully_shard, _dims(shard="tp", replicate="dp")), (_torch_fully_shard(), TorchDims("tp", "dp"))):
+        torch.manual_seed(2)
+        lin = distribute_module(nn.Linear(DIM, 6), mesh)  # every parameter Replicate() on both dims
+        fs(lin, mesh=mesh, dp_mesh_dims=dims)
+        hsdp.append(lin)
+    ref_lin = nn.Linear(DIM, 6)
+    with torch.no_grad():
+        for p, q in zip(ref_lin.parameters(), hsdp[0].parameters()):
+            p.copy_(q.full_tensor())
+    out["hsdp_layout"], out["hsdp_torch_layout"] = _layout(hsdp[0]), _layout(hsdp[1])
+    rank = dist.get_rank()
+    out["hsdp_losses"] = []
+    for x, y in batches[:2]:
+        y6 = y[:, :6]
+        losses = [((m(DTensor.from_local(x[2 * rank:2 * rank + 2], mesh, [Shard(0), Shard(0)])).to_local()
+                    - y6[2 * rank:2 * rank + 2]) ** 2).mean() for m in hsdp]
+        losses.append(((ref_lin(x) - y6) ** 2).mean())
+        for loss, m in zip(losses, (*hsdp, ref_lin)):
+            loss.backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+        mean = torch.stack([losses[0].detach(), losses[1].detach()])
+        dist.all_reduce(mean)
+        out["hsdp_losses"].append((*(mean / 4).tolist(), losses[2].item()))
     # torch's DataParallelMeshDims object is accepted as is
     other = SpmdMLP(mesh)
     fully_shard(other, mesh=mesh, dp_mesh_dims=TorchDims(shard="dp"))
     out["torch_dims_layout"] = _layout(other)
-    # a 0-dim Replicate() TP parameter next to the 2-D ones, against the unsharded model
+    return out
+
+
+@distributed(world_size=4, timeout=TIMEOUT_S)
+def _zero_dim() -> dict[str, Any]:
+    """A 0-dim Replicate() TP parameter next to the 2-D ones, against the unsharded model."""
+    mesh = mesh_2d()
+    out: dict[str, Any] = {}
     torch.manual_seed(0)
     base = TPModel(gated=True)
     model = shard_2d(tensor_parallel(copy.deepcopy(base), mesh["tp"]), fully_shard, mesh["dp"])
@@ -383,7 +433,8 @@ def _spmd_and_zero_dim() -> dict[str, Any]:
 
 
 def test_dp_mesh_dims_and_zero_dim_tp_params() -> None:
-    for r in _spmd_and_zero_dim():
+    for r, z in zip(_spmd(), _zero_dim()):
+        r.update(z)
         assert r["layout"] == r["torch_layout"] == r["torch_dims_layout"], r
         assert r["layout"]["w2"][0] == (Shard(0), Shard(1)) and r["layout"]["b2"][0] == (Shard(0), Replicate())
         assert r["init_diff"] == 0.0, r
@@ -391,6 +442,10 @@ def test_dp_mesh_dims_and_zero_dim_tp_params() -> None:
             assert abs(ours - theirs) < 1e-5 and abs(ours - ref) < 2e-5, r["losses"]
         assert r["final_diff"] < 1e-5, r
         assert r["gate_placements"] == (Replicate(), Replicate()), r
+        assert r["hsdp_layout"] == r["hsdp_torch_layout"], r
+        assert r["hsdp_layout"]["weight"][0] == (Replicate(), Shard(0)), r
+        for ours, theirs, ref in r["hsdp_losses"]:
+            assert abs(ours - theirs) < 1e-5 and abs(ours - ref) < 2e-5, r["hsdp_losses"]
         for ours, ref in r["gate_losses"]:
             assert abs(ours - ref) < 2e-5, r["gate_losses"]
         assert r["gate_diff"] < 1e-4, r

@@ -94,8 +94,16 @@ def sequence_parallel(model: TPModel, tp_mesh: DeviceMesh) -> TPModel:
     return model
 
 
+_MESHES: dict[tuple[int, ...], DeviceMesh] = {}
+
+
 def mesh_2d() -> DeviceMesh:
-    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    """One (dp=2, tp=2) mesh per rank process, reused by every test: torch treats value-equal meshes as
+    interchangeable (DTensor specs compare meshes by value), so a second equal mesh with its own
+    process groups could mix two groups into one collective across tests."""
+    if (2, 2) not in _MESHES:
+        _MESHES[(2, 2)] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    return _MESHES[(2, 2)]
 
 
 def tensor_parallel(model: TPModel, tp_mesh: DeviceMesh) -> TPModel:
