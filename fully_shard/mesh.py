@@ -252,29 +252,32 @@ def concatenate_meshes(dp: DeviceMesh, tp: DeviceMesh, fqn: str) -> DeviceMesh:
     shared_ranks = set(dp.mesh.reshape(-1).tolist()) & set(tp.mesh.reshape(-1).tolist())
     if overlap or shared_ranks != {dist.get_rank()}:
         raise ValueError(
-            f"parameter {fqn!r} is a DTensor on the mesh {_dims(tp)} and fully_shard was given the mesh {_dims(dp)}: "
-            f"they overlap (shared dims {overlap or 'by ranks'}), so the data-parallel mesh would shard what tensor "
+            f"parameter {fqn!r} is a DTensor on the mesh {describe_mesh(tp)} and fully_shard was given the mesh "
+            f"{describe_mesh(dp)}: they overlap (shared dims {overlap or 'by ranks'}), so the data-parallel mesh "
+            "would shard what tensor "
             "parallelism already splits. Fix: pass only the data-parallel dims, e.g. fully_shard(block, "
             "mesh=mesh['dp']) with parallelize_module(block, mesh['tp'], ...), or the full mesh with "
             "dp_mesh_dims=DataParallelMeshDims(shard='dp').")
     # equal, not identical: torch treats value-equal meshes as one (a DTensor may hold an equal copy)
     if root_mesh(dp) != root_mesh(tp) or not dp_names or not tp_names:
         raise ValueError(
-            f"parameter {fqn!r} is a DTensor on the mesh {_dims(tp)}, which is not a sub-mesh of the same root "
-            f"mesh as the fully_shard mesh {_dims(dp)} (both need dim names, sliced from one init_device_mesh). "
-            "Fix: mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')); "
+            f"parameter {fqn!r} is a DTensor on the mesh {describe_mesh(tp)}, which is not a sub-mesh of the same root "
+            f"mesh as the fully_shard mesh {describe_mesh(dp)} (both need dim names, sliced from one "
+            "init_device_mesh). Fix: mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')); "
             "parallelize_module(block, mesh['tp'], plan); fully_shard(block, mesh=mesh['dp']).")
     try:
         combined = DeviceMesh._concatenate([dp, tp])
     except RuntimeError as e:
-        raise ValueError(f"parameter {fqn!r}: cannot combine the fully_shard mesh {_dims(dp)} with its DTensor's "
-                         f"mesh {_dims(tp)} ({e}). Fix: slice both from one init_device_mesh(...), data-parallel "
+        raise ValueError(f"parameter {fqn!r}: cannot combine the fully_shard mesh {describe_mesh(dp)} with its "
+                         f"DTensor's mesh {describe_mesh(tp)} ({e}). Fix: slice both from one init_device_mesh(...), "
+                         "data-parallel "
                          "dims first.") from None
     _COMBINED[key] = combined
     return combined
 
 
-def _dims(mesh: DeviceMesh) -> str:
+def describe_mesh(mesh: DeviceMesh) -> str:
+    """``(dp=2, tp=2)``: a mesh's dim names and sizes, for error messages."""
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
     return "(" + ", ".join(f"{n}={s}" for n, s in zip(names, mesh.shape)) + ")"
 

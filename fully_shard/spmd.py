@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 # each TP shard): only the private class exists; used here and nowhere else.
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .mesh import MeshInfo, concatenate_meshes
+from .mesh import MeshInfo, concatenate_meshes, describe_mesh
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,7 @@ class ParamSpec:
 
     def describe(self) -> str:
         """``(_StridedShard(dim=0, sf=2), Shard(dim=0)) on (dp=2, tp=2)`` (the same-call check, repr)."""
-        names = self.mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(self.mesh.ndim))
-        shape = ", ".join(f"{n}={s}" for n, s in zip(names, self.mesh.shape))
-        return f"{tuple(self.sharded)} on ({shape})"
+        return f"{tuple(self.sharded)} on {describe_mesh(self.mesh)}"
 
 
 def plain_spec(mesh_info: MeshInfo, shard_dim: int) -> ParamSpec:
@@ -70,7 +68,8 @@ def spec_of(param: torch.Tensor, fqn: str, mesh_info: MeshInfo, shard_dim: int) 
         if not isinstance(param, DTensor):
             raise ValueError(
                 f"parameter {fqn!r} is a plain tensor, but fully_shard was given dp_mesh_dims: every managed "
-                f"parameter must then be a DTensor on the full mesh {_mesh_str(mesh_info.spmd_mesh)}, Replicate() "
+                f"parameter must then be a DTensor on the full mesh {describe_mesh(mesh_info.spmd_mesh)}, "
+                "Replicate() "
                 "on the data-parallel dims. Fix: distribute it first (distribute_module / parallelize_module on "
                 "the full mesh), or drop dp_mesh_dims and pass mesh=<the data-parallel sub-mesh>.")
         return _spmd_spec(param, fqn, mesh_info, shard_dim), param._local_tensor
@@ -104,8 +103,8 @@ def _spmd_spec(param: DTensor, fqn: str, mesh_info: MeshInfo, shard_dim: int) ->
     assert mesh_info.spmd_mesh is not None and mesh_info.dp_mesh_dims is not None
     if full != mesh_info.spmd_mesh:
         raise ValueError(
-            f"parameter {fqn!r} is a DTensor on {_mesh_str(full)}, not on the mesh passed to fully_shard with "
-            f"dp_mesh_dims ({_mesh_str(mesh_info.spmd_mesh)}). Fix: distribute every parameter on that one "
+            f"parameter {fqn!r} is a DTensor on {describe_mesh(full)}, not on the mesh passed to fully_shard with "
+            f"dp_mesh_dims ({describe_mesh(mesh_info.spmd_mesh)}). Fix: distribute every parameter on that one "
             "full mesh, or pass it in ignored_params.")
     _check_no_partial(placements, fqn, full)
     names = full.mesh_dim_names or ()
@@ -115,7 +114,8 @@ def _spmd_spec(param: DTensor, fqn: str, mesh_info: MeshInfo, shard_dim: int) ->
         if not placements[idx].is_replicate():
             raise ValueError(
                 f"parameter {fqn!r} has placement {placements[idx]} on data-parallel mesh dim {name!r} (placements "
-                f"{placements} on {_mesh_str(full)}); with dp_mesh_dims FSDP expects Replicate() there and does "
+                f"{placements} on {describe_mesh(full)}); with dp_mesh_dims FSDP expects Replicate() there and "
+                "does "
                 f"the sharding itself. Fix: distribute it with Replicate() on {name!r}.")
     new = list(placements)
     for name in dims.shard_names:
@@ -137,15 +137,10 @@ def _shard_dim_of(p: Placement) -> int | None:
 def _check_no_partial(placements: tuple[Placement, ...], fqn: str, mesh: DeviceMesh) -> None:
     if any(p.is_partial() for p in placements):
         raise ValueError(
-            f"parameter {fqn!r} is a DTensor with placements {placements} on {_mesh_str(mesh)}: a Partial() "
+            f"parameter {fqn!r} is a DTensor with placements {placements} on {describe_mesh(mesh)}: a Partial() "
             "parameter holds pending sums, not values, so it cannot be sharded or all-gathered. Fix: "
             "redistribute it to Replicate() (or Shard(d)) before fully_shard, e.g. "
             "param.redistribute(placements=[Replicate()]), or pass it in ignored_params.")
-
-
-def _mesh_str(mesh: DeviceMesh) -> str:
-    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-    return "mesh(" + ", ".join(f"{n}={s}" for n, s in zip(names, mesh.shape)) + ")"
 
 
 def local_grad(grad: torch.Tensor, spec: ParamSpec) -> torch.Tensor:

@@ -308,6 +308,9 @@ def _bad_inputs() -> dict[str, str]:
     world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
     out["overlap_1d"] = _error(lambda: fully_shard(blk, mesh=world))
     out["overlap_names"] = _error(lambda: fully_shard(blk, mesh=mesh))
+    mesh41 = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp4", "tp1"))
+    blk = tensor_parallel(TPModel(n_blocks=1), mesh41["tp1"]).blocks[0]
+    out["raf_int"] = _error(lambda: fully_shard(blk, mesh=mesh41["dp4"], reshard_after_forward=2))
     # the two dp replicas tensor-parallelize 'up' differently: the same-call check sees the placements
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -342,6 +345,7 @@ def test_bad_inputs_raise_on_every_rank() -> None:
         assert "'q.weight'" in r["other_root"] and "Fix:" in r["other_root"], r
         assert "overlap" in r["overlap_1d"] and "'q.weight'" in r["overlap_1d"] and "Fix:" in r["overlap_1d"], r
         assert "overlap" in r["overlap_names"] and "['tp']" in r["overlap_names"], r
+        assert r["raf_int"].startswith("NotImplementedError") and "'q.weight'" in r["raf_int"], r["raf_int"]
         assert "called differently across ranks" in r["plan_mismatch"], r["plan_mismatch"]
         assert "up.weight" in r["plan_mismatch"] and "_StridedShard" in r["plan_mismatch"], r["plan_mismatch"]
         assert "Partial" in r["partial"] and "'weight'" in r["partial"] and "Fix:" in r["partial"], r
