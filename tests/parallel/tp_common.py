@@ -180,7 +180,7 @@ class SpmdMLP(nn.Module):
         x = DTensor.from_local(x_local, self.mesh, [Shard(0), Replicate()])
         h = F.gelu(x @ self.w1.t())
         out = (h @ self.w2.t()).redistribute(placements=[Shard(0), Replicate()]) + self.b2
-        return out.to_local()
+        return out.to_local().clone()  # (a view would make torch warn about its pre-backward hook)
 
 
 def spmd_reference() -> nn.Module:
