@@ -3,10 +3,12 @@ per-block compile + fully_shard, on 4 CPU ranks (dp 2 x tp 2), next to the dp-on
 
     torchrun --nproc_per_node 4 examples/train_tp.py            # dp 2 x tp 2, then dp 4, same data
 
-The recipe is torchtitan's order: ``parallelize_module`` each block on the ``tp`` mesh (attention
-q/k/v and MLP gate/up colwise, o/down rowwise), wrap each block in activation checkpointing,
-``block.compile(fullgraph=True)``, then ``fully_shard(block, mesh=mesh["dp"])`` and
-``fully_shard(model, mesh=mesh["dp"])``. Every rank of one ``dp`` group sees the same batch; the global
+The recipe: ``parallelize_module`` each block on the ``tp`` mesh (attention q/k/v and MLP gate/up
+colwise, o/down rowwise), ``block.compile(fullgraph=True)``, wrap it in activation checkpointing, then
+``fully_shard(wrapped, mesh=mesh["dp"])`` and ``fully_shard(model, mesh=mesh["dp"])``. (Compiling the
+checkpoint wrapper itself, AC inside the graph, fails in torch 2.13 for TP blocks with
+``AssertionError: expected all tensors_saved_with_vc_check to be Tensors`` in aot_autograd, with torch's
+fully_shard and ours alike, so AC wraps the compiled block.) Every rank of one ``dp`` group sees the same batch; the global
 batch is the same in both runs, so the two loss curves match (the last line prints the largest gap).
 ``--impl torch`` runs torch's own ``fully_shard`` instead (the reference this library is tested against).
 See design/2d-params.md for the placements and the gradient path.
