@@ -67,9 +67,9 @@ def _train(model: nn.Module, configure: Configure | None = None, steps: int = 2)
     return out
 
 
-def _pair(configure: Configure | None, **build: Any) -> dict[str, Any]:
-    return {"ours": _train(_build(fully_shard, **build), configure),
-            "torch": _train(_build(_torch_fs(), **build), configure)}
+def _pair(configure: Configure | None, steps: int = 2, **build: Any) -> dict[str, Any]:
+    return {"ours": _train(_build(fully_shard, **build), configure, steps),
+            "torch": _train(_build(_torch_fs(), **build), configure, steps)}
 
 
 def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], scale: float = 1.0) -> None:
@@ -109,9 +109,9 @@ def _divide_w2() -> dict[str, Any]:
         torch_premul = str(e)
     return {
         "factor_sum": _pair(factor_sum),
-        "force_sum": _pair(_each(lambda m: m.set_force_sum_reduction_for_comms(True))),
+        "force_sum": _pair(_each(lambda m: m.set_force_sum_reduction_for_comms(True)), steps=1),
         "fp16_factor_sum": _pair(_each(lambda m: (m.set_gradient_divide_factor(4.0),
-                                                  m.set_force_sum_reduction_for_comms(True))), mp_policy=mp),
+                                                  m.set_force_sum_reduction_for_comms(True))), steps=1, mp_policy=mp),
         "torch_premul": torch_premul,
         "default": _train(_build(fully_shard), steps=1)["grads"],
         "factor_1": _train(_build(fully_shard), _each(lambda m: m.set_gradient_divide_factor(1.0)), steps=1),
@@ -135,11 +135,11 @@ def test_gradient_divide_factor_and_force_sum() -> None:
 def _divide_hsdp() -> dict[str, Any]:
     factor_sum = _each(lambda m: (m.set_gradient_divide_factor(1.0), m.set_force_sum_reduction_for_comms(True)))
     return {
-        "factor_sum": _pair(factor_sum, hsdp=True),
+        "factor_sum": _pair(factor_sum, steps=1, hsdp=True),
         "default": _train(_build(fully_shard, hsdp=True), steps=1)["grads"],
         "factor_1": _train(_build(fully_shard, hsdp=True), _each(lambda m: m.set_gradient_divide_factor(1.0)),
                            steps=1)["grads"],
-        "hook": _pair(_each(lambda m: m.set_all_reduce_hook(_double)), hsdp=True),
+        "hook": _pair(_each(lambda m: m.set_all_reduce_hook(_double)), steps=1, hsdp=True),
     }
 
 
