@@ -8,8 +8,8 @@ colwise, o/down rowwise), ``block.compile(fullgraph=True)``, wrap it in activati
 ``fully_shard(wrapped, mesh=mesh["dp"])`` and ``fully_shard(model, mesh=mesh["dp"])``. (Compiling the
 checkpoint wrapper itself, AC inside the graph, fails in torch 2.13 for TP blocks with
 ``AssertionError: expected all tensors_saved_with_vc_check to be Tensors`` in aot_autograd, with torch's
-fully_shard and ours alike, so AC wraps the compiled block.) Every rank of one ``dp`` group sees the same batch; the global
-batch is the same in both runs, so the two loss curves match (the last line prints the largest gap).
+fully_shard, so AC wraps the compiled block.) Every rank of one ``dp`` group sees the same batch; the
+global batch is the same in both runs, so the two loss curves match (the last line prints the largest gap).
 ``--impl torch`` runs torch's own ``fully_shard`` instead (the reference this library is tested against).
 See design/2d-params.md for the placements and the gradient path.
 """
