@@ -27,13 +27,17 @@ Names touched (each only where torch 2.13 defines it; module -> names):
 ``torch.distributed.pipelining.schedules``              FSDPModule, UnshardHandle (bound at its import)
 =====================================================  =============================================
 
-Left alone on purpose: torch's implementation modules (``_fully_shard._fully_shard``, ``_fsdp_api``,
-``_fsdp_common``, ``_fsdp_init``, ``_fsdp_param_group``, ``_fsdp_state``): torch's own fully_shard
-reads its globals there, so it keeps working side by side while patched. ``DataParallelMeshDims``
-and the private ``FSDPMeshInfo`` / ``ShardPlacementResult`` / ``_get_mesh_info`` (torchtitan's
-expert-parallel path) stay torch's: they are plain records, and the ``fully_shard`` bound here reads
-them (``dp_mesh_dims`` picks the sub-mesh; a ``ShardPlacementResult`` on the unit's own mesh is
-its placement; on another mesh, per-parameter meshes, it raises ``NotImplementedError``).
+Left alone on purpose (design/compat.md has the reasons): torch's implementation modules
+(``_fully_shard._fully_shard``, ``_fsdp_api``, ``_fsdp_common``, ``_fsdp_init``, ``_fsdp_param_group``,
+``_fsdp_state``), so torch's own fully_shard keeps working side by side while patched;
+``DataParallelMeshDims`` and the private ``FSDPMeshInfo`` / ``ShardPlacementResult`` /
+``_get_mesh_info`` (torchtitan's expert-parallel path), plain records the ``fully_shard`` bound here
+reads (``dp_mesh_dims`` picks the sub-mesh; a ``ShardPlacementResult`` on the unit's own mesh is its
+placement; one on another mesh raises ``NotImplementedError``); ``torch.distributed._tools.
+fsdp2_mem_tracker`` (it wraps torch's ``FSDPParamGroup`` methods, so it keeps seeing only torch's
+units); ``torch.distributed.checkpoint.state_dict`` (imports only FSDP1 names; it works on the
+DTensor state dicts as is). The ``fully_shard`` bound here also sets the two flags Dynamo reads on
+every module of a unit: ``_is_fsdp_managed_module`` and ``_fsdp_use_orig_params``.
 """
 
 from __future__ import annotations
