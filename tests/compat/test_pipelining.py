@@ -68,22 +68,27 @@ def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _run_pipeline(shard: Any, schedule_name: str, stages: list[Stage], mesh: Any) -> dict[str, Any]:
-    """Build this rank's stage with ``shard`` (imported from torch.distributed.fsdp by the caller),
-    train STEPS steps; return the last stage's losses and this stage's grads after every step."""
+    """Build this rank's stages with ``shard`` (imported from torch.distributed.fsdp by the caller),
+    train STEPS steps; return the last stage's losses and this rank's stages' grads after every step.
+    Single-stage schedules: stage ``pp_rank``; looped ones: stages ``pp_rank, pp_rank + 2, ...``."""
+    import torch.distributed.fsdp as torch_fsdp  # its FSDPModule is ours while patched
     from torch.distributed import pipelining
 
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    model = copy.deepcopy(stages[pp_rank])
-    for blk in model.blocks:
-        shard(blk, mesh=mesh["dp"], reshard_after_forward=False)
-    shard(model, mesh=mesh["dp"])
-    stage = pipelining.PipelineStage(model, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
-    schedule = getattr(pipelining, schedule_name)(stage, n_microbatches=MICRO, loss_fn=_loss)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    import torch.distributed.fsdp as torch_fsdp  # its FSDPModule is ours while patched
-
-    out: dict[str, Any] = {"losses": [], "grads": [], "counts": [], "fsdp": isinstance(model, torch_fsdp.FSDPModule),
-                           "ours": isinstance(model, FSDPModule)}
+    indices = list(range(pp_rank, len(stages), 2))
+    models = [copy.deepcopy(stages[i]) for i in indices]
+    for model in models:
+        for blk in model.blocks:
+            shard(blk, mesh=mesh["dp"], reshard_after_forward=False)
+        shard(model, mesh=mesh["dp"])
+    built = [pipelining.PipelineStage(m, i, len(stages), torch.device("cpu"), group=mesh["pp"].get_group())
+             for m, i in zip(models, indices)]
+    cls = getattr(pipelining, schedule_name)
+    schedule = cls(built if len(stages) > 2 else built[0], n_microbatches=MICRO, loss_fn=_loss)
+    opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
+    out: dict[str, Any] = {"losses": [], "grads": [], "counts": [],
+                           "fsdp": all(isinstance(m, torch_fsdp.FSDPModule) for m in models),
+                           "ours": all(isinstance(m, FSDPModule) for m in models)}
     per = BATCH // 2
     for step in range(STEPS):
         x, y = _data(step)
@@ -96,7 +101,7 @@ def _run_pipeline(shard: Any, schedule_name: str, stages: list[Stage], mesh: Any
                 schedule.step(target=y, losses=losses)
         out["counts"].append(dict(counted.counts))
         out["losses"].append([loss.item() for loss in losses])
-        out["grads"].append(_grads(model))
+        out["grads"].append({f"{i}.{k}": v for i, m in zip(indices, models) for k, v in _grads(m).items()})
         opt.step()
         opt.zero_grad()
     return out
@@ -111,7 +116,7 @@ def _reference(stages: list[Stage]) -> dict[str, Any]:
     for step in range(STEPS):
         x, y = _data(step)
         _loss(ref(x), y).backward()
-        out["grads"].append([_grads(ref[0]), _grads(ref[1])])
+        out["grads"].append({f"{i}.{k}": v for i in range(len(stages)) for k, v in _grads(ref[i]).items()})
         opt.step()
         opt.zero_grad()
     return out
@@ -123,11 +128,11 @@ def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @distributed(world_size=4)
-def _pipeline_side_by_side(schedule_name: str) -> dict[str, Any]:
+def _pipeline_side_by_side(schedule_name: str, n_stages: int) -> dict[str, Any]:
     from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as torch_fully_shard
 
     torch.manual_seed(0)
-    stages = [Stage(last=False), Stage(last=True)]
+    stages = [Stage(last=i == n_stages - 1) for i in range(n_stages)]
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     want = _run_pipeline(torch_fully_shard, schedule_name, stages, mesh)
     compat.patch_torch()
@@ -145,7 +150,7 @@ def _pipeline_side_by_side(schedule_name: str) -> dict[str, Any]:
     loss_diff = max((abs(a - b) for ga, gb in zip(got["losses"], want["losses"]) for a, b in zip(ga, gb)),
                     default=0.0)
     grad_torch = max(_worst(g, w) for g, w in zip(got["grads"], want["grads"]))
-    grad_ref = max(_worst(g, r[pp_rank]) for g, r in zip(got["grads"], ref["grads"]))
+    grad_ref = max(_worst(g, {k: v for k, v in r.items() if k in g}) for g, r in zip(got["grads"], ref["grads"]))
     if pp_rank == 1:
         assert len(got["losses"][0]) == MICRO
     # No-sync microbatches: one reduce-scatter per unit and step, as torch (step 1 carries the
@@ -158,7 +163,9 @@ def _pipeline_side_by_side(schedule_name: str) -> dict[str, Any]:
     return result
 
 
-@pytest.mark.parametrize("schedule_name", ["ScheduleGPipe", "Schedule1F1B"])
-def test_pipeline_with_fsdp_stages_matches_torch(schedule_name: str) -> None:
-    results = _pipeline_side_by_side(schedule_name)
+@pytest.mark.parametrize(("schedule_name", "n_stages"), [("ScheduleGPipe", 2), ("Schedule1F1B", 2),
+                                                         ("ScheduleInterleaved1F1B", 4),
+                                                         ("ScheduleInterleavedZeroBubble", 4)])
+def test_pipeline_with_fsdp_stages_matches_torch(schedule_name: str, n_stages: int) -> None:
+    results = _pipeline_side_by_side(schedule_name, n_stages)
     print(schedule_name, results[0]["counts"], {k: max(r[k] for r in results) for k in results[0] if k != "counts"})
