@@ -97,13 +97,11 @@ class _TorchSignatureFullyShard:
         _mark_for_dynamo(out)
         return out
 
-    def state(self, module: nn.Module) -> StateView:
-        """``fully_shard.state(module)``: the view torch's pipelining reads (``perform_reduce_grad``)."""
+    def state(self, module: nn.Module) -> StateView | None:
+        """``fully_shard.state(module)``: the view torch's pipelining reads (``perform_reduce_grad``);
+        None for a module not passed to fully_shard (as torch's)."""
         state = get_state(module)
-        if state is None:
-            raise ValueError(f"fully_shard.state expects a module passed to fully_shard, got "
-                             f"{type(module).__name__}. Fix: call fully_shard(module) first.")
-        return StateView(state)
+        return StateView(state) if state is not None else None
 
     def __repr__(self) -> str:
         return "<fully_shard.compat.fully_shard (torch's signature, this library)>"

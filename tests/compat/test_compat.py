@@ -187,7 +187,9 @@ def _torch_records() -> dict[str, Any]:
         assert out.dtype == torch.bfloat16  # torch's policy object, converted
         out.float().sum().backward()
         assert model[0].weight.grad is not None and model[0].weight.grad.dtype == torch.float32
-        view = compat.fully_shard.state(model)._fsdp_param_group
+        state = compat.fully_shard.state(model)
+        assert state is not None and compat.fully_shard.state(nn.Linear(2, 2)) is None
+        view = state._fsdp_param_group
         assert view is not None and view.mesh_info.shard_mesh_size == 2
         assert view.mesh_info.shard_process_group is mesh.get_group(0)
         assert view.mesh_info.replicate_process_group is None

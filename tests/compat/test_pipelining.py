@@ -131,6 +131,7 @@ def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def _pipeline_side_by_side(schedule_name: str, n_stages: int) -> dict[str, Any]:
     from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as torch_fully_shard
 
+    assert not compat.is_patched()  # the pool's processes are reused: every test unpatches in finally
     torch.manual_seed(0)
     stages = [Stage(last=i == n_stages - 1) for i in range(n_stages)]
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
