@@ -204,3 +204,43 @@ def _torch_records() -> dict[str, Any]:
 
 def test_torch_policy_objects_dp_mesh_dims_and_shard_placement_results() -> None:
     _torch_records()
+
+
+@distributed(world_size=4)
+def _hsdp_dp_mesh_dims() -> dict[str, float]:
+    """torchtitan's HSDP call, ``dp_mesh_dims`` naming the replicate and shard dims of its mesh,
+    against torch's fully_shard on the same 2-D mesh: equal gradients; the state view's mesh info."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    assert not compat.is_patched()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 3))
+    x = torch.randn(4, 8)[mesh.get_rank() % 4:][:1]
+    got = {}
+    theirs = copy.deepcopy(base)
+    _torch_fully_shard()(theirs, mesh=mesh)
+    compat.patch_torch()
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        model = fully_shard(copy.deepcopy(base), mesh=mesh,
+                            dp_mesh_dims=DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate"))
+        state = compat.fully_shard.state(model)
+        assert state is not None and state._fsdp_param_group is not None
+        info = state._fsdp_param_group.mesh_info
+        assert (info.shard_mesh_size, info.replicate_mesh_size) == (2, 2)
+        assert info.shard_process_group is mesh.get_group(1) and info.replicate_process_group is mesh.get_group(0)
+        assert info.replicate_mesh_rank == mesh.get_local_rank(0) and info.shard_mesh_rank == mesh.get_local_rank(1)
+    finally:
+        compat.unpatch_torch()
+    for lib, m in (("ours", model), ("torch", theirs)):
+        m(x).pow(2).sum().backward()
+        got[lib] = grads(m)
+    diff = max_diff(got["ours"], got["torch"])
+    assert diff < TOL, diff
+    return {"grad_vs_torch": diff}
+
+
+def test_hsdp_through_dp_mesh_dims_matches_torch() -> None:
+    _hsdp_dp_mesh_dims()
