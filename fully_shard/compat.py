@@ -215,16 +215,22 @@ def patch_torch() -> list[str]:
     returns the ``module.name`` entries now bound to this library's objects."""
     with _LOCK:
         if not _SAVED:
+            # Import every target first: a module imported while torch.distributed.fsdp is already
+            # patched (pipelining, the legacy path) would bind our objects at its import, and those
+            # would then be "restored" by unpatch_torch().
+            modules = []
             for modname, names in TARGETS:
                 try:
                     importlib.import_module(modname)
                 except ImportError:  # an older torch without this module: nothing to rebind there
                     continue
-                mod = sys.modules[modname]
+                modules.append((sys.modules[modname], modname, names))
+            for mod, modname, names in modules:
                 for name in names:
                     if name in vars(mod):
                         _SAVED[(modname, name)] = vars(mod)[name]
-                        setattr(mod, name, _ours(name))
+            for (modname, name) in _SAVED:
+                setattr(sys.modules[modname], name, _ours(name))
         return patched_names()
 
 

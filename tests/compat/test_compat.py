@@ -85,6 +85,33 @@ def test_patch_rebinds_every_name_and_unpatch_restores_exactly() -> None:
         assert after[key] is original, f"{key} not restored"
 
 
+_FRESH = """
+from fully_shard import compat
+compat.patch_torch()  # first import of pipelining and the legacy path happens in here
+compat.unpatch_torch()
+import torch.distributed._composable.fsdp as legacy
+import torch.distributed.pipelining.schedules as schedules
+import torch.distributed.pipelining.stage as stage
+from torch.distributed.fsdp._fully_shard import _fully_shard as impl
+assert stage.FSDPModule is impl.FSDPModule and stage.fully_shard is impl.fully_shard, stage.FSDPModule
+assert schedules.FSDPModule is impl.FSDPModule and schedules.UnshardHandle is impl.UnshardHandle
+assert legacy.FSDPModule is impl.FSDPModule and legacy.fully_shard is impl.fully_shard
+print("restored")
+"""
+
+
+def test_unpatch_restores_torch_modules_first_imported_by_patch() -> None:
+    """Modules that import torch.distributed.fsdp's names at their own import (pipelining, the legacy
+    path) must be imported before anything is rebound, or they would bind ours and unpatch would
+    "restore" ours (a 4-rank pipeline run after an HSDP test found this)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", _FRESH], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and "restored" in done.stdout, done.stderr[-2000:]
+
+
 # --- code written against torch's API, run patched ------------------------------------------------
 def _framework_shard(model: Decoder, group_raf: bool) -> Decoder:
     """What a framework's parallelize code does, importing torch's names (bound to ours now)."""
