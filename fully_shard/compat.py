@@ -121,6 +121,8 @@ def _dp_mesh(mesh: DeviceMesh | None, dims: Any) -> DeviceMesh | None:
     shard, rep = tuple(dims.shard_names), tuple(dims.replicate_names)
 
     def sub(names: tuple[str, ...]) -> DeviceMesh:
+        # Several names of one kind become one dim as in torch's fully_shard: DeviceMesh has no public
+        # API to flatten dims into one process group, so this uses the private _flatten (as torch does).
         return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
 
     if not rep:
@@ -177,19 +179,19 @@ def _mp_policy(value: Any) -> MixedPrecisionPolicy:
 def _offload_policy(value: Any) -> OffloadPolicy:
     if isinstance(value, OffloadPolicy):
         return value
-    cpu = type(value).__name__ == "CPUOffloadPolicy"
-    return _convert(value, CPUOffloadPolicy) if cpu else OffloadPolicy()  # type: ignore[no-any-return]
+    kind = type(value).__name__
+    if kind not in ("OffloadPolicy", "CPUOffloadPolicy"):
+        raise TypeError(f"offload_policy expects OffloadPolicy() or CPUOffloadPolicy(...), got {kind}: {value!r}")
+    return _convert(value, CPUOffloadPolicy) if kind == "CPUOffloadPolicy" else OffloadPolicy()  # type: ignore[no-any-return]
 
 
 def _mark_for_dynamo(out: Any) -> None:
     """The flags Dynamo reads on FSDP-managed modules (torch's fully_shard sets both on every module
     of a unit): treat them as unspecialized modules, with original (not flat) parameters."""
     for member in out if isinstance(out, (list, tuple)) else (out,):
-        state = get_state(member)
-        for sub in member.modules():
-            if sub is member or get_state(sub) is None or get_state(sub) is state:
-                sub._is_fsdp_managed_module = True  # type: ignore[assignment]
-                sub._fsdp_use_orig_params = True  # type: ignore[assignment]
+        for sub in member.modules():  # modules of nested units are managed too (by their own unit)
+            sub._is_fsdp_managed_module = True  # type: ignore[assignment]
+            sub._fsdp_use_orig_params = True  # type: ignore[assignment]
 
 
 def _share_comm_ctx(modules: list[Any]) -> None:
