@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import collectives, trace
+from . import collectives, extension, trace
 from .layout import FlatLayout
 from .mesh import MeshInfo, SubgroupInfo
 from .param import ShardedParam
@@ -87,6 +87,7 @@ class ParamGroup:
         self.state = GroupState.SHARDED
         self.comm: CommContext | None = None  # the root's, set at lazy init
         self._pending_unshard: tuple[torch.Tensor, Pending, trace.Event | None] | None = None
+        self.gather_plan: extension.GatherPlan | None = None  # tensor-subclass params (extension.py)
         self._partial_shard: torch.Tensor | None = None
         self._pending_reduces: list[_PendingReduce] = []
         self._partial_reduce_output: torch.Tensor | None = None  # HSDP without all-reduce
@@ -209,6 +210,7 @@ class ParamGroup:
             p.adopt_module_param()
             p.init_unsharded(self.param_dtype, self.device)
         self._check_dtypes()
+        self.gather_plan = extension.GatherPlan.of(self, collectives.all_gather_object)
 
     def adopt_module_params(self) -> None:
         """After ``module.to(dtype)``/``_apply`` replaced or converted the sharded parameters: re-read
@@ -250,6 +252,8 @@ class ParamGroup:
         ctx.wait_stream(copy_in_stream, ctx.current_stream())
         with ctx.on(copy_in_stream):
             ctx.release_all_gather_buffer()
+            if self.gather_plan is not None:  # (never partial nor quantized: GatherPlan.of)
+                return self.gather_plan.copy_in(self.mesh_info.shard_rank)
             if self.blocks is not None:  # (never partial: check_all_gather_policy)
                 return collectives.quantized_all_gather_copy_in(self.params, self.blocks, self.mesh_info.shard_rank,
                                                                 self.flat.world, self.device)
@@ -285,7 +289,9 @@ class ParamGroup:
         with torch.no_grad():
             for p in self.params:
                 p.alloc_unsharded()
-            if self.blocks is not None:
+            if self.gather_plan is not None:
+                self.gather_plan.copy_out(out)
+            elif self.blocks is not None:
                 collectives.quantized_all_gather_copy_out(out, self.params, self.blocks, self.param_dtype)
             else:
                 collectives.all_gather_copy_out(out, self.params, self.flat)
