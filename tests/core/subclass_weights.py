@@ -94,6 +94,16 @@ class Int8WeightMeshOnly(Int8Weight):
         return self._quantize(self._data), None
 
 
+class Int8WeightFailsOnRank1(Int8Weight):
+    """A bad subclass whose pre-hook raises on rank 1 only."""
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module,
+                            mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
+        if mesh.get_local_rank() == 1:
+            raise RuntimeError("no calibration data on this rank")
+        return super().fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)
+
+
 class Int4Weight(torch.Tensor):
     """Frozen 4-bit weight: packed uint8 nibbles (rows, cols/2), fp32 scales and uint8 zeros (rows, 1)."""
 

@@ -132,11 +132,15 @@ def test_mixed_precision_like_torch(model: str) -> None:
 
 
 @distributed(world_size=2, timeout=60)
-def _uneven() -> str:
-    """A layer of 33 rows over 2 ranks: rank 1's shard has 16 rows, and Int8Weight returns them unpadded
-    (and a (16, 1) scale): torch's padded-size rule fails on rank 1 only."""
+def _bad(kind: str) -> str:
+    """``uneven``: a layer of 33 rows over 2 ranks: rank 1's shard has 16 rows, and Int8Weight returns
+    them unpadded (and a (16, 1) scale), so torch's padded-size rule fails on rank 1 only (both pre-hook
+    forms). ``raises``: the pre-hook raises on rank 1 only."""
     torch.manual_seed(0)
-    model = sw.Net([sw.QLinear(32, 33), sw.QLinear(33, 32)], 32)
+    cls = {"uneven": sw.Int8Weight, "uneven_mesh_only": sw.Int8WeightMeshOnly,
+           "raises": sw.Int8WeightFailsOnRank1}[kind]
+    rows = 32 if kind == "raises" else 33
+    model = sw.Net([sw.QLinear(32, rows, cls), sw.QLinear(rows, 32, cls)], 32)
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -147,11 +151,19 @@ def _uneven() -> str:
     return "no error"
 
 
-def test_padded_size_rule_fails_on_every_rank() -> None:
+@pytest.mark.parametrize("kind", ["uneven", "uneven_mesh_only"])
+def test_padded_size_rule_fails_on_every_rank(kind: str) -> None:
     """The same error on both ranks (the bad rank named, the padded shape, the fix), and no hang:
-    torch raises on rank 1 only and leaves rank 0 in the all-gather."""
-    messages = _uneven()
+    torch raises on rank 1 only (5-argument form; the 1-argument form it does not check) and leaves
+    rank 0 in the all-gather."""
+    messages = _bad(kind)
     assert messages[0] == messages[1], messages
     msg = messages[0]
     assert "layers.0.weight" in msg and "on rank 1" in msg and "padded shard shape [17, 32]" in msg, msg
     assert "int8[16, 32]" in msg and "Fix:" in msg, msg
+
+
+def test_pre_hook_error_on_one_rank_raises_on_every_rank() -> None:
+    messages = _bad("raises")
+    assert messages[0] == messages[1], messages
+    assert "raised on rank 1: RuntimeError: no calibration data on this rank" in messages[0], messages[0]
