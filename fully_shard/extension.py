@@ -71,6 +71,22 @@ def has_hooks(local: torch.Tensor) -> bool:
     return hasattr(local, PRE_HOOK) or hasattr(local, POST_HOOK)
 
 
+def own_rows(data: torch.Tensor, rank: int, chunk_rows: int, start: int, end: int,
+             device: torch.device) -> torch.Tensor:
+    """This rank's rows ``[start, end)`` of a subclass tensor, in storage of its own on ``device``,
+    through the ops torch's fully_shard calls on it: ``torch.split`` (``torch.chunk``'s rows, the same as
+    the plain slice) and ``new_zeros`` + ``copy_``. Subclasses such as torchao's NF4 implement
+    ``aten.split`` but only a whole-tensor ``aten.slice``, and re-quantize in ``clone``."""
+    chunks = torch.split(data, chunk_rows, dim=0) if chunk_rows else ()
+    rows = chunks[rank] if rank < len(chunks) else data[start:end]
+    if rows.is_meta:
+        return rows
+    rows = rows.to(device)
+    owned = rows.new_zeros(rows.shape)
+    owned.copy_(rows)
+    return owned
+
+
 def detect(param: ShardedParam) -> Extension | None:
     """The extension of ``param`` if its local tensor defines the hooks (both, or a clear error)."""
     local = param.sharded_param._local_tensor  # type: ignore[attr-defined]  # DTensor's local, no copy

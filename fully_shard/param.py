@@ -59,8 +59,12 @@ class ShardedParam:
         if isinstance(data, DTensor):
             data = data.full_tensor()
         start, end = self.layout.row_range(self.mesh_info.shard_rank)
-        local = data if self.layout.replicated else self.unmoved(self.moved(data)[start:end])
-        local = (local if local.is_meta else local.to(self.storage_device)).contiguous().clone()
+        if extension.has_hooks(data) and not self.layout.replicated and self.shard_dim == 0:
+            local = extension.own_rows(data, self.mesh_info.shard_rank, self.layout.chunk_rows, start, end,
+                                       self.storage_device)  # a subclass: the ops torch's fully_shard uses
+        else:
+            local = data if self.layout.replicated else self.unmoved(self.moved(data)[start:end])
+            local = (local if local.is_meta else local.to(self.storage_device)).contiguous().clone()
         if self.pin_memory and local.device.type == "cpu" and torch.accelerator.is_available():
             local = local.pin_memory()  # CPU offload: pinned host memory for async H2D/D2H copies
         return self._wrap_local(local)
