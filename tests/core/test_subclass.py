@@ -63,6 +63,12 @@ def _train(lib: str, make: Callable[[], nn.Module], mp: MixedPrecisionPolicy | N
         out["losses"].append(t.item() / world)
         out["counts"].append((dict(fwd.counts), dict(bwd.counts)))
     out["calls"] = list(sw.CALLS)
+    if lib == "ours":  # resharded: every gathered output and inner tensor freed by storage resize
+        exts = [p.extension for layer in model.layers for p in layer._fsdp.group.params  # type: ignore
+                if p.extension is not None]
+        out["freed"] = len(exts) == 2 and all(
+            t.untyped_storage().size() == 0 for e in exts for t in (*e.outputs, *e.inner)) and all(
+            e.inner and e.outputs for e in exts)
     out["weights"] = {n: _dequantized(p) for n, p in model.named_parameters() if n.endswith("weight")}
     return out
 
@@ -99,6 +105,7 @@ def test_trains_like_torch(model: str) -> None:
     one all-gather per unit in forward (3 units), one reduce-scatter per unit in backward."""
     for r in _side_by_side(model, None):
         _check_parity(r)
+        assert r["ours"]["freed"]
         fwd, bwd = r["ours"]["counts"][1]
         assert fwd == {"all_gather": 3}, fwd
         assert bwd.get("reduce_scatter") == 3 and bwd.get("all_gather") == 2, bwd  # layers regathered
