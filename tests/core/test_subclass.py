@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from fully_shard import MixedPrecisionPolicy, fully_shard
 from tests.core import subclass_weights as sw
@@ -28,7 +29,8 @@ def _batches(dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8, dim, generator=g), torch.randn(8, dim, generator=g))] * STEPS
 
 
-def _train(lib: str, make: Callable[[], nn.Module], mp: MixedPrecisionPolicy | None) -> dict[str, Any]:
+def _train(lib: str, make: Callable[[], nn.Module], mp: MixedPrecisionPolicy | None,
+           hsdp: tuple[int, int] | None = None) -> dict[str, Any]:
     """Shard ``make()`` with ``lib``'s fully_shard (per layer + root), train STEPS SGD steps on this
     rank's rows; return the losses, the first step's gradients (full), the collective counts of each
     forward/backward and the hook calls."""
@@ -39,6 +41,10 @@ def _train(lib: str, make: Callable[[], nn.Module], mp: MixedPrecisionPolicy | N
                                                                              reduce_dtype=mp.reduce_dtype)}
     else:
         fs, kwargs = fully_shard, ({} if mp is None else {"mp_policy": mp})
+    if hsdp is not None and (lib == "ours" or hsdp[1] > 1):
+        # torch 2.13 with a 1-rank shard axis hands the post-hook one output (ValueError in the hook):
+        # (2, 1) is compared with torch's 1-D fully_shard, the same data parallelism
+        kwargs["mesh"] = init_device_mesh("cpu", hsdp, mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     model = make()
     for layer in model.layers:  # type: ignore[union-attr]
@@ -74,29 +80,38 @@ def _train(lib: str, make: Callable[[], nn.Module], mp: MixedPrecisionPolicy | N
 
 
 def _dequantized(p: torch.Tensor) -> torch.Tensor:
+    """The whole weight as a plain tensor (the master weight of an Int8Weight, an Int4Weight dequantized)."""
     local = p.to_local()  # type: ignore[attr-defined]
     if isinstance(local, sw.Int4Weight):
-        return local.dequant()
-    return local._data.clone() if isinstance(local, sw.Int8Weight) else local.detach().clone()
+        local = local.dequant()
+    local = local._data.clone() if isinstance(local, sw.Int8Weight) else local.detach().clone()
+    if local.shape == p.shape:  # HSDP (2, 1): one shard holds every row
+        return local
+    rows = [torch.empty_like(local) for _ in range(dist.get_world_size())]  # even rows in these tests
+    dist.all_gather(rows, local)
+    return torch.cat(rows)
 
 
 @distributed(world_size=2)
-def _side_by_side(model: str, mp_dtype: torch.dtype | None) -> dict[str, Any]:
+def _side_by_side(model: str, mp_dtype: torch.dtype | None, hsdp: tuple[int, int] | None = None) -> dict[str, Any]:
     make = {"int8": sw.int8_net, "int8_mesh_only": lambda: sw.int8_net(kind=sw.Int8WeightMeshOnly),
             "int4": sw.int4_net}[model]
     mp = None if mp_dtype is None else MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32)
-    return {lib: _train(lib, make, mp) for lib in ("ours", "torch")}
+    return {lib: _train(lib, make, mp, hsdp) for lib in ("ours", "torch")}
 
 
-def _check_parity(r: dict[str, Any]) -> None:
+def _check_parity(r: dict[str, Any], *, same_calls: bool = True) -> None:
     ours, ref = r["ours"], r["torch"]
     assert max(abs(a - b) for a, b in zip(ours["losses"], ref["losses"])) <= TOL, (ours["losses"], ref["losses"])
     assert ours["grads"].keys() == ref["grads"].keys() and ours["grads"], (ours["grads"].keys(), ref["grads"].keys())
     for name, g in ours["grads"].items():
-        torch.testing.assert_close(g, ref["grads"][name], atol=TOL, rtol=0, msg=name)
+        torch.testing.assert_close(g, ref["grads"][name], atol=TOL, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
     for name, w in ours["weights"].items():  # after the optimizer steps: the master weights too
-        torch.testing.assert_close(w, ref["weights"][name], atol=TOL, rtol=0, msg=name)
-    assert ours["calls"] == ref["calls"], (ours["calls"][:6], ref["calls"][:6])  # same hooks, same arguments
+        torch.testing.assert_close(w, ref["weights"][name], atol=TOL, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+    if same_calls:  # same hooks, same arguments
+        assert ours["calls"] == ref["calls"], (ours["calls"][:6], ref["calls"][:6])
+    else:  # the same calls but for the mesh: (2, 1) against torch's 1-D mesh
+        assert [c for c in ours["calls"] if c[0] == "post"] == [c for c in ref["calls"] if c[0] == "post"]
 
 
 @pytest.mark.parametrize("model", ["int8", "int8_mesh_only", "int4"])
@@ -136,6 +151,17 @@ def test_mixed_precision_like_torch(model: str) -> None:
         _check_parity(r)
         assert ("post", "out", "torch.bfloat16") in r["ours"]["calls"]
         assert any(c[0] == "pre5" and c[2] == "torch.bfloat16" for c in r["ours"]["calls"])
+
+
+@pytest.mark.parametrize("model", ["int8_mesh_only", "int4"])
+@pytest.mark.parametrize("shape", [(1, 2), (2, 1)])
+def test_hsdp_like_torch(model: str, shape: tuple[int, int]) -> None:
+    """HSDP meshes (replicate, shard): the pre-hook gets the shard axis' 1-D mesh; (2, 1) averages the
+    grads over the replicas (the layout check over the replicate group): equal to torch's 1-D run."""
+    for r in _side_by_side(model, None, shape):
+        _check_parity(r, same_calls=shape[1] > 1)
+        if model == "int8_mesh_only":
+            assert {c for c in r["ours"]["calls"] if c[0] == "pre1"} == {("pre1", str(shape[1]))}
 
 
 @distributed(world_size=2, timeout=60)
