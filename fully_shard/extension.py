@@ -296,6 +296,11 @@ class GatherPlan:
                 "is gathered. Fix: shard that parameter in a fully_shard call without it.")
         return cls(group, exchange)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the gathered buffer (every rank's segment)."""
+        return self.world * self.shard_units * self.dtype.itemsize
+
     def _specs(self, p: ShardedParam) -> tuple[InputSpec, ...]:
         if p.extension is not None:
             assert p.extension.specs is not None

@@ -168,6 +168,8 @@ class ParamGroup:
     @property
     def unsharded_nbytes(self) -> int:
         """Bytes of the gathered buffer at ``param_dtype`` (padding included)."""
+        if self.gather_plan is not None and self.gather_plan.split is not None:  # tensor subclasses
+            return self.gather_plan.nbytes
         return self.flat.total_numel * self.param_dtype.itemsize
 
     def check_subgroup(self, reshard_after_forward: bool | int | None) -> None:
