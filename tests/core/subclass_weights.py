@@ -104,6 +104,13 @@ class Int8WeightFailsOnRank1(Int8Weight):
         return super().fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)
 
 
+class Int8WeightThreeArgs(Int8Weight):
+    """A bad subclass: a pre-hook of neither of torch's two signatures."""
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any, module: Any) -> Any:  # type: ignore[override]
+        raise AssertionError("never called")
+
+
 class Int4Weight(torch.Tensor):
     """Frozen 4-bit weight: packed uint8 nibbles (rows, cols/2), fp32 scales and uint8 zeros (rows, 1)."""
 

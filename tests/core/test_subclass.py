@@ -30,10 +30,10 @@ def _batches(dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _train(lib: str, make: Callable[[], nn.Module], mp: MixedPrecisionPolicy | None,
-           hsdp: tuple[int, int] | None = None) -> dict[str, Any]:
+           hsdp: tuple[int, int] | None = None, accumulate: bool = False) -> dict[str, Any]:
     """Shard ``make()`` with ``lib``'s fully_shard (per layer + root), train STEPS SGD steps on this
-    rank's rows; return the losses, the first step's gradients (full), the collective counts of each
-    forward/backward and the hook calls."""
+    rank's rows (``accumulate``: after a no-sync micro-batch on the same rows); return the losses, the
+    first step's gradients (full), the collective counts of each forward/backward and the hook calls."""
     if lib == "torch":
         from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
         from torch.distributed.fsdp import fully_shard as fs
@@ -56,6 +56,10 @@ def _train(lib: str, make: Callable[[], nn.Module], mp: MixedPrecisionPolicy | N
     sw.CALLS.clear()
     for i, (x, y) in enumerate(_batches(model.head.in_features)):  # type: ignore[union-attr]
         rows = slice(rank * x.shape[0] // world, (rank + 1) * x.shape[0] // world)
+        if accumulate:
+            model.set_requires_gradient_sync(False)  # type: ignore[operator]
+            ((model(x[rows]).float() - y[rows]) ** 2).mean().backward()
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
         with CountCollectives() as fwd:
             loss = ((model(x[rows]).float() - y[rows]) ** 2).mean()
         with CountCollectives() as bwd:
@@ -93,11 +97,12 @@ def _dequantized(p: torch.Tensor) -> torch.Tensor:
 
 
 @distributed(world_size=2)
-def _side_by_side(model: str, mp_dtype: torch.dtype | None, hsdp: tuple[int, int] | None = None) -> dict[str, Any]:
+def _side_by_side(model: str, mp_dtype: torch.dtype | None, hsdp: tuple[int, int] | None = None,
+                  accumulate: bool = False) -> dict[str, Any]:
     make = {"int8": sw.int8_net, "int8_mesh_only": lambda: sw.int8_net(kind=sw.Int8WeightMeshOnly),
             "int4": sw.int4_net}[model]
     mp = None if mp_dtype is None else MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32)
-    return {lib: _train(lib, make, mp, hsdp) for lib in ("ours", "torch")}
+    return {lib: _train(lib, make, mp, hsdp, accumulate) for lib in ("ours", "torch")}
 
 
 def _check_parity(r: dict[str, Any], *, same_calls: bool = True) -> None:
@@ -153,6 +158,13 @@ def test_mixed_precision_like_torch(model: str) -> None:
         assert any(c[0] == "pre5" and c[2] == "torch.bfloat16" for c in r["ours"]["calls"])
 
 
+@pytest.mark.parametrize("model", ["int8", "int4"])
+def test_gradient_accumulation_like_torch(model: str) -> None:
+    """A no-sync micro-batch, then a synced one: the gradients of both, as torch's."""
+    for r in _side_by_side(model, torch.bfloat16, None, True):
+        _check_parity(r)
+
+
 @pytest.mark.parametrize("model", ["int8_mesh_only", "int4"])
 @pytest.mark.parametrize("shape", [(1, 2), (2, 1)])
 def test_hsdp_like_torch(model: str, shape: tuple[int, int]) -> None:
@@ -194,6 +206,20 @@ def test_padded_size_rule_fails_on_every_rank(kind: str) -> None:
     msg = messages[0]
     assert "layers.0.weight" in msg and "on rank 1" in msg and "padded shard shape [17, 32]" in msg, msg
     assert "int8[16, 32]" in msg and "Fix:" in msg, msg
+
+
+@distributed(world_size=2, timeout=60)
+def _bad_signature() -> str:
+    try:
+        fully_shard(sw.QLinear(32, 32, sw.Int8WeightThreeArgs))
+    except TypeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_bad_pre_hook_signature_is_refused_at_fully_shard() -> None:
+    messages = _bad_signature()
+    assert messages[0] == messages[1] and "takes 3 arguments; expected 1 (mesh) or 5" in messages[0], messages
 
 
 def test_pre_hook_error_on_one_rank_raises_on_every_rank() -> None:
