@@ -101,7 +101,7 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGro
 
 
 def all_gather_object(obj: Any, group: dist.ProcessGroup) -> list[Any]:
-    """Every rank's ``obj`` (pickled; error paths only)."""
+    """Every rank's ``obj`` (pickled; error paths, and the extension layout check at lazy init)."""
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out

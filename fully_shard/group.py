@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import collectives, trace
+from . import collectives, extension, trace
 from .layout import FlatLayout
 from .mesh import MeshInfo, SubgroupInfo
 from .param import ShardedParam
@@ -78,6 +78,7 @@ class ParamGroup(GroupReduce):
         self.state = GroupState.SHARDED
         self.comm: CommContext | None = None  # the root's, set at lazy init
         self._pending_unshard: tuple[torch.Tensor, Pending, trace.Event | None] | None = None
+        self.gather_plan: extension.GatherPlan | None = None  # tensor-subclass params (extension.py)
         self._partial_shard: torch.Tensor | None = None
         self._pending_reduces: list[_PendingReduce] = []
         self._partial_reduce_output: torch.Tensor | None = None  # HSDP without all-reduce
@@ -164,6 +165,8 @@ class ParamGroup(GroupReduce):
     @property
     def unsharded_nbytes(self) -> int:
         """Bytes of the gathered buffer at ``param_dtype`` (padding included)."""
+        if self.gather_plan is not None and self.gather_plan.split is not None:  # tensor subclasses
+            return self.gather_plan.nbytes
         return self.flat.total_numel * self.param_dtype.itemsize
 
     def check_subgroup(self, reshard_after_forward: bool | int | None) -> None:
@@ -206,6 +209,7 @@ class ParamGroup(GroupReduce):
             p.adopt_module_param()
             p.init_unsharded(self.param_dtype, self.device)
         self._check_dtypes()
+        self.gather_plan = extension.GatherPlan.of(self, collectives.all_gather_object)
 
     def adopt_module_params(self) -> None:
         """After ``module.to(dtype)``/``_apply`` replaced or converted the sharded parameters: re-read
@@ -250,6 +254,8 @@ class ParamGroup(GroupReduce):
         alloc = self.all_gather_comm.allocate if self.all_gather_comm is not None else None
         with ctx.on(copy_in_stream):
             ctx.release_all_gather_buffer()
+            if self.gather_plan is not None:  # (never partial nor quantized: GatherPlan.of)
+                return self.gather_plan.copy_in(self.mesh_info.shard_rank)
             if self.blocks is not None:  # (never partial: check_all_gather_policy)
                 return collectives.quantized_all_gather_copy_in(self.params, self.blocks, self.mesh_info.shard_rank,
                                                                 self.flat.world, self.device, alloc=alloc)
@@ -292,7 +298,9 @@ class ParamGroup(GroupReduce):
         with torch.no_grad():
             for p in self.params:
                 p.alloc_unsharded()
-            if self.blocks is not None:
+            if self.gather_plan is not None:
+                self.gather_plan.copy_out(out)
+            elif self.blocks is not None:
                 collectives.quantized_all_gather_copy_out(out, self.params, self.blocks, self.param_dtype)
             else:
                 collectives.all_gather_copy_out(out, self.params, self.flat)
