@@ -101,6 +101,11 @@ def _train(impl: str, order: str | None, backend: str, ac: bool) -> dict[str, An
 def _compile_cases(cases: list[tuple[str, str, bool]]) -> dict[str, Any]:
     """Per case (order, backend, ac): the eager run of this library, the compiled run, and torch's
     fully_shard with the same compile (its error, if it cannot run it)."""
+    import torch._inductor.config
+
+    # In-process compile: no worker pool, whose start (importing torch in fresh processes) costs
+    # more than this model's few kernels.
+    torch._inductor.config.compile_threads = 1
     out: dict[str, Any] = {}
     eager = {ac: _train("ours", None, "eager", ac) for ac in sorted({ac for _, _, ac in cases})}
     for order, backend, ac in cases:
