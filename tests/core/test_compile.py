@@ -63,7 +63,8 @@ def _graph_counts() -> tuple[int, int]:
 
 def _train(impl: str, order: str | None, backend: str, ac: bool) -> dict[str, Any]:
     """Train Net for STEPS AdamW steps with ``impl``'s fully_shard on every block and the root; each
-    block compiled with fullgraph=True ``order`` ("before"/"after") fully_shard, or not (None)."""
+    block compiled with fullgraph=True ``order`` ("before"/"after") fully_shard, the whole model
+    compiled after it without fullgraph ("model"), or nothing compiled (None)."""
     if impl == "torch":
         from torch.distributed.fsdp import fully_shard as shard
     else:
@@ -79,12 +80,13 @@ def _train(impl: str, order: str | None, backend: str, ac: bool) -> dict[str, An
         if order == "after":
             blk.compile(backend=backend, fullgraph=True)
     shard(model)
+    run = torch.compile(model, backend=backend) if order == "model" else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
     losses, graphs_after_first = [], 0
     for step in range(STEPS):
         x, y = torch.randn(4, 3, 8, generator=gen), torch.randn(4, 3, 5, generator=gen)
-        loss = F.mse_loss(model(local_slice(x)), local_slice(y))
+        loss = F.mse_loss(run(local_slice(x)), local_slice(y))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -124,7 +126,8 @@ def _compile_cases(cases: list[tuple[str, str, bool]]) -> dict[str, Any]:
 def _check(per_rank: list[dict[str, Any]]) -> None:
     for name, r in (item for results in per_rank for item in results.items()):
         ours, eager, ref = r["ours"], r["eager"], r["torch"]
-        assert ours["breaks"] == 0, f"{name}: {ours['breaks']} graph breaks"
+        if not name.startswith("model"):  # fullgraph=True: a break would have raised; counted anyway
+            assert ours["breaks"] == 0, f"{name}: {ours['breaks']} graph breaks"
         assert ours["graphs"] >= 1, f"{name}: nothing was compiled"
         assert ours["graphs"] == ours["graphs_after_first"], (
             f"{name}: recompiled after the first step ({ours['graphs_after_first']} -> {ours['graphs']} graphs)")
@@ -134,11 +137,13 @@ def _check(per_rank: list[dict[str, Any]]) -> None:
         assert "error" not in ref, f"{name}: torch's fully_shard failed with the same compile: {ref['error']}"
         diff = max(abs(a - b) for a, b in zip(ours["losses"], ref["losses"]))
         assert diff <= TOL, f"{name}: ours {ours['losses']} vs torch {ref['losses']} (max diff {diff:.2e})"
-        assert ref["breaks"] == 0 and ours["graphs"] == ref["graphs"], (name, ours, ref)
+        assert ours["breaks"] == ref["breaks"] and ours["graphs"] == ref["graphs"], (name, ours, ref)
 
 
-def test_compile_fullgraph_aot_eager_before_and_after_fully_shard() -> None:
-    _check(_compile_cases([("before", "aot_eager", False), ("after", "aot_eager", False)]))
+def test_compile_aot_eager_before_and_after_fully_shard() -> None:
+    """Per block with fullgraph=True before and after fully_shard; the whole model after it without."""
+    _check(_compile_cases([("before", "aot_eager", False), ("after", "aot_eager", False),
+                           ("model", "aot_eager", False)]))
 
 
 def test_compile_fullgraph_with_activation_checkpointing() -> None:
