@@ -25,7 +25,7 @@ TOL = 1e-5
 
 
 class Block(nn.Module):
-    def __init__(self, ac: bool) -> None:
+    def __init__(self, ac: str) -> None:
         super().__init__()
         self.ac = ac
         self.norm = nn.LayerNorm(DIM)
@@ -36,22 +36,23 @@ class Block(nn.Module):
         return self.down(F.gelu(self.up(self.norm(x))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ac:  # activation checkpointing inside the block: recomputed in backward
+        if self.ac == "inside":  # activation checkpointing inside the compiled block (Dynamo's HOP)
             return x + checkpoint(self.mlp, x, use_reentrant=False)
         return x + self.mlp(x)
 
 
 class Net(nn.Module):
-    def __init__(self, ac: bool) -> None:
+    def __init__(self, ac: str) -> None:
         super().__init__()
+        self.ac = ac
         self.inp = nn.Linear(8, DIM)
         self.blocks = nn.ModuleList(Block(ac) for _ in range(2))
         self.head = nn.Linear(DIM, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
-        for blk in self.blocks:
-            h = blk(h)
+        for blk in self.blocks:  # "around": the recompute calls the compiled block and its hooks again
+            h = checkpoint(blk, h, use_reentrant=False) if self.ac == "around" else blk(h)
         return self.head(h)
 
 
@@ -61,7 +62,7 @@ def _graph_counts() -> tuple[int, int]:
     return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
 
 
-def _train(impl: str, order: str | None, backend: str, ac: bool) -> dict[str, Any]:
+def _train(impl: str, order: str | None, backend: str, ac: str) -> dict[str, Any]:
     """Train Net for STEPS AdamW steps with ``impl``'s fully_shard on every block and the root; each
     block compiled with fullgraph=True ``order`` ("before"/"after") fully_shard, the whole model
     compiled after it without fullgraph ("model"), or nothing compiled (None)."""
@@ -100,7 +101,7 @@ def _train(impl: str, order: str | None, backend: str, ac: bool) -> dict[str, An
 
 
 @distributed(world_size=2, timeout=240)
-def _compile_cases(cases: list[tuple[str, str, bool]]) -> dict[str, Any]:
+def _compile_cases(cases: list[tuple[str, str, str]]) -> dict[str, Any]:
     """Per case (order, backend, ac): the eager run of this library, the compiled run, and torch's
     fully_shard with the same compile (its error, if it cannot run it)."""
     import torch._inductor.config
@@ -118,7 +119,7 @@ def _compile_cases(cases: list[tuple[str, str, bool]]) -> dict[str, Any]:
         except Exception as e:  # reported, not hidden: the assertion below names it
             result["torch"] = {"error": f"{type(e).__name__}: {e}"[:500]}
         result["seconds"], result["cpu_seconds"] = time.perf_counter() - start, time.process_time() - cpu
-        out[f"{order}-{backend}{'-ac' if ac else ''}"] = result
+        out[f"{order}-{backend}-ac_{ac}"] = result
     torch._dynamo.reset()
     return out
 
@@ -142,14 +143,15 @@ def _check(per_rank: list[dict[str, Any]]) -> None:
 
 def test_compile_aot_eager_before_and_after_fully_shard() -> None:
     """Per block with fullgraph=True before and after fully_shard; the whole model after it without."""
-    _check(_compile_cases([("before", "aot_eager", False), ("after", "aot_eager", False),
-                           ("model", "aot_eager", False)]))
+    _check(_compile_cases([("before", "aot_eager", "none"), ("after", "aot_eager", "none"),
+                           ("model", "aot_eager", "none")]))
 
 
 def test_compile_fullgraph_with_activation_checkpointing() -> None:
-    _check(_compile_cases([("before", "aot_eager", True)]))
+    """Checkpointing inside the compiled block, and around it (recompute = compiled forward + hooks)."""
+    _check(_compile_cases([("before", "aot_eager", "inside"), ("after", "aot_eager", "around")]))
 
 
 def test_compile_fullgraph_inductor() -> None:
     pytest.importorskip("torch._inductor")
-    _check(_compile_cases([("before", "inductor", False), ("after", "inductor", False)]))
+    _check(_compile_cases([("before", "inductor", "none"), ("after", "inductor", "none")]))
