@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from .checks import check_not_meta
+from .dynamo import eager
 from .group import GroupState, ParamGroup, ReduceQueue
 from .mesh import MeshInfo
 from .param import ShardedParam
@@ -22,6 +23,13 @@ from .policy import MixedPrecisionPolicy
 from .streams import CommContext
 from .trace import Phase
 from .tree import join_fqn, map_tensors, tensors
+
+# Every entry point of the runtime that torch calls (module hooks, tensor hooks, autograd Function
+# backward, the engine's final callback; register_fsdp_forward_method calls the forward hooks):
+# replaced per state by its torch.compiler.disable'd form, so that Dynamo never traces them and a
+# compiled block's forward stays one graph (dynamo.py, design/hooks.md "torch.compile").
+_EAGER_METHODS = ("_pre_forward_hook", "_post_forward_hook", "_pre_backward", "post_backward",
+                  "_root_final_callback")
 
 
 class TrainingState(enum.Enum):
@@ -66,6 +74,8 @@ class FSDPState:
         self._modules_to_run: set[nn.Module] = set()  # list unit: members still to run this pass
         self._awaits_post_backward = False  # this pass wrapped grad-requiring inputs in _PostBackward
         self._member_params = _member_params(modules, group)  # list unit: params under each member
+        for name in _EAGER_METHODS:
+            setattr(self, name, eager(getattr(self, name)))
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook, prepend=False, with_kwargs=True)
