@@ -9,7 +9,9 @@ loaded into dp=4 without TP, into (dp=2, tp=2), into dp=1 and into a plain modul
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +22,16 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fully_shard import checkpoint
+from fully_shard import checkpoint, fully_shard
 from fully_shard.checkpoint import boxes
 from tests.checkpoint import common as C
+from tests.distributed.harness import distributed
+from tests.models import batches, loss_fn
 
 SETTINGS = settings(max_examples=200, deadline=None)
 TOL = 2e-5
@@ -236,3 +241,160 @@ def test_a_version_2_checkpoint_still_loads(tmp_path: Path) -> None:
     assert extra == {"step": 1}
     out = load_file(checkpoint.consolidate(DATA / "v2-linear", tmp_path / "hf")[0])
     C.assert_same(out, {k[len("model/"):]: v for k, v in expected.items() if k.startswith("model/")}, "consolidated")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# shard_placement_fn Shard(1), saved on 4 ranks, loaded as Shard(0) on 2 ranks and into a plain module
+# ---------------------------------------------------------------------------------------------------------
+
+def _shard1(p: nn.Parameter) -> Shard | None:
+    return Shard(1) if p.dim() == 2 else None
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, first: int, steps: int) -> list[float]:
+    """C.train with a global batch of 12 (divisible by 1, 2, 3 and 4 ranks)."""
+    rank, world = C.rank_world()
+    losses = []
+    for x, y in batches(first + steps, batch=12)[first:]:
+        per = 12 // world
+        loss = loss_fn(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(C.global_mean(loss))
+    return losses
+
+
+def _gpt(seed: int, world: int | None, placement_fn: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = C.make_gpt(seed=seed, n_blocks=1)
+    if world is not None:
+        for blk in model.blocks:
+            fully_shard(blk, shard_placement_fn=placement_fn)
+        fully_shard(model, shard_placement_fn=placement_fn)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+@distributed(world_size=4)
+def _shard1_save(path: str) -> dict[str, Any]:
+    model, opt = _gpt(0, 4, _shard1)
+    placements = {tuple(p.placements) for p in model.parameters() if p.dim() == 2}  # type: ignore[attr-defined]
+    assert placements == {(Shard(1),)}, placements
+    _train(model, opt, 0, 2)
+    checkpoint.save(path, model, opt, extra={"step": 2})
+    truth = {"model": C.full_state(model), "optim": C.full_optim(model, opt)}
+    return {**truth, "losses": _train(model, opt, 2, 2)}
+
+
+@distributed(world_size=2)
+def _shard1_load_as_shard0(path: str) -> dict[str, Any]:
+    model, opt = _gpt(5, 2)
+    assert checkpoint.load(path, model, opt) == {"step": 2}
+    out = {"model": C.full_state(model), "optim": C.full_optim(model, opt)}
+    return {**out, "losses": _train(model, opt, 2, 2)}
+
+
+def test_shard_placement_fn_dim1_across_world_sizes(tmp_path: Path) -> None:
+    """Shard(1) (uneven: 157 and 60 columns over 4 ranks) at W=4 -> Shard(0) at W=2 and a plain module here."""
+    path = str(tmp_path / "s1")
+    saved = _shard1_save(path)[0]
+    index = (tmp_path / "s1" / "index.json").read_text()
+    assert '"offsets":[0,40]' in index  # column blocks: the second rank's chunk of a Shard(1) weight
+    w2 = _shard1_load_as_shard0(path)[0]
+    plain, plain_opt = _gpt(9, None)
+    checkpoint.load(path, plain, plain_opt)
+    here = {"model": C.full_state(plain), "optim": C.full_optim(plain, plain_opt),
+            "losses": _train(plain, plain_opt, 2, 2)}
+    for name, got in (("W=2 Shard(0)", w2), ("plain module", here)):
+        C.assert_same(got["model"], saved["model"], f"{name}: model")
+        C.assert_same(got["optim"], saved["optim"], f"{name}: optimizer")
+        assert max(abs(a - b) for a, b in zip(got["losses"], saved["losses"])) < TOL, (name, got["losses"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hand-built DTensors on 1-D, 2-D and 3-D meshes
+# ---------------------------------------------------------------------------------------------------------
+
+def _layouts_4() -> list[tuple[str, tuple[int, ...], tuple[int, ...], list[Any]]]:
+    """(name, global shape, mesh shape, placements) on 4 ranks: FSDP x TP, HSDP x TP, Shard(d), uneven, 0-dim."""
+    return [
+        ("colwise", (8, 6), (2, 2), [_StridedShard(0, split_factor=2), Shard(0)]),
+        ("rowwise", (6, 8), (2, 2), [Shard(0), Shard(1)]),
+        ("rowwise_uneven", (5, 7), (2, 2), [Shard(0), Shard(1)]),
+        ("bias", (6,), (2, 2), [Shard(0), Replicate()]),
+        ("cols_replicated", (3, 9), (2, 2), [Shard(1), Replicate()]),
+        ("hsdp_colwise", (8, 3), (2, 1, 2), [Replicate(), _StridedShard(0, split_factor=2), Shard(0)]),
+        ("three_axes", (4, 6, 3), (2, 1, 2), [Shard(1), Shard(0), Shard(1)]),
+        ("dim1_1d", (3, 10), (4,), [Shard(1)]),
+        ("scalar", (), (2, 2), [Replicate(), Replicate()]),
+    ]
+
+
+def _full(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(shape, generator=g)
+
+
+def _dtensor_module(layouts: list[Any], fill: float | None = None) -> nn.Module:
+    module = nn.Module()
+    meshes: dict[tuple[int, ...], Any] = {}
+    for name, shape, mesh_shape, placements in layouts:
+        if mesh_shape not in meshes:
+            meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape)
+        full = _full(name, shape) if fill is None else torch.full(shape, fill)
+        module.register_parameter(name, nn.Parameter(distribute_tensor(full, meshes[mesh_shape], placements)))
+    return module
+
+
+@distributed(world_size=4)
+def _hand_built(tmp: str) -> dict[str, Any]:
+    layouts = _layouts_4()
+    source = _dtensor_module(layouts)
+    for (name, _, _, placements), p in zip(layouts, source.parameters()):
+        assert list(p.placements) == placements, (name, p.placements)  # type: ignore[attr-defined]
+        assert torch.equal(p.full_tensor(), _full(name, tuple(p.shape))), name  # type: ignore[attr-defined]
+    checkpoint.save(os.path.join(tmp, "hand"), source)
+    same = _dtensor_module(layouts, fill=0.0)  # the same layout: each rank's local block comes back
+    checkpoint.load(os.path.join(tmp, "hand"), same)
+    for (name, *_), a, b in zip(layouts, source.parameters(), same.parameters()):
+        assert torch.equal(a.to_local(), b.to_local()), name  # type: ignore[attr-defined]
+    # Another layout for every tensor: 1-D Shard(0) over 4 ranks (or Replicate for the 0-dim one), and back.
+    flat = [(n, s, (4,), [Shard(0)] if s else [Replicate()]) for n, s, _, _ in layouts]
+    other = _dtensor_module(flat, fill=0.0)
+    checkpoint.load(os.path.join(tmp, "hand"), other)
+    checkpoint.save(os.path.join(tmp, "flat"), other)
+    back = _dtensor_module(layouts, fill=0.0)
+    checkpoint.load(os.path.join(tmp, "flat"), back)
+    for (name, shape, *_), a, b in zip(layouts, other.parameters(), back.parameters()):
+        assert torch.equal(a.full_tensor(), _full(name, shape)), name  # type: ignore[attr-defined]
+        assert torch.equal(b.full_tensor(), _full(name, shape)), name  # type: ignore[attr-defined]
+    errors = {}
+    mesh = init_device_mesh("cpu", (2, 2))
+    bad = {"partial": (torch.ones(4, 2), [Partial(), Shard(0)]),
+           "sf3": (torch.ones(2, 2), [_StridedShard(0, split_factor=3), Shard(0)])}
+    for name, (local, placements) in bad.items():
+        module = nn.Module()
+        module.register_parameter(name, nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False)))
+        try:
+            checkpoint.save(os.path.join(tmp, name), module)
+        except checkpoint.CheckpointError as e:
+            errors[name] = str(e)
+    return errors
+
+
+def test_hand_built_dtensors_on_1d_2d_3d_meshes(tmp_path: Path) -> None:
+    """Each rank's block of every layout round-trips; any layout loads into any other, and into a plain module."""
+    errors = _hand_built(str(tmp_path))
+    for per_rank in errors:
+        assert "partial" in per_rank and "Partial" in per_rank["partial"] and "fix" in per_rank["partial"]
+        assert "sf3" in per_rank and "sf=3" in per_rank["sf3"], per_rank
+    assert len({tuple(sorted(e.items())) for e in errors}) == 1  # the same error on every rank
+    plain = nn.Module()
+    for name, shape, _, _ in _layouts_4():
+        plain.register_parameter(name, nn.Parameter(torch.zeros(shape)))
+    checkpoint.load(tmp_path / "hand", plain)
+    truth = {name: _full(name, shape) for name, shape, _, _ in _layouts_4()}
+    C.assert_same({k: v.detach() for k, v in plain.state_dict().items()}, truth, "plain module")
+    C.assert_same(load_file(checkpoint.consolidate(tmp_path / "hand", tmp_path / "hf")[0]), truth, "consolidated")
+    index = json.loads((tmp_path / "hand" / "index.json").read_text())
+    chunks = {c["offsets"][0] if c["offsets"] else None: c["sizes"] for c in index["model"]["colwise"]["chunks"]}
+    assert chunks == {0: [2, 6], 2: [2, 6], 4: [2, 6], 6: [2, 6]}, chunks  # tp chunk, then dp chunk
