@@ -106,6 +106,57 @@ def describe(name: str, tensor: torch.Tensor) -> View:
     return View(name, tensor, tensor.detach(), dtype, shape, box, box if box.numel else None, whole=True)
 
 
+MeshKey = tuple[tuple[int, ...], tuple[int, ...]]  # (mesh shape, its global ranks in order)
+
+
+def _mesh_key(mesh: Any) -> MeshKey:
+    return tuple(mesh.shape), tuple(int(r) for r in mesh.mesh.flatten().tolist())
+
+
+def mesh_roles(views: list[View]) -> dict[str, Any]:
+    """This rank's meshes, numbered by first use, and which one each DTensor view uses (exchanged at save).
+
+    A DTensor on a sub-mesh (torch's FSDP + TP puts non-TP parameters on the dp mesh alone) is held by
+    every copy of that mesh, the copies differing on the axes the mesh leaves out: those ranks are
+    replicas the placements do not show (``split_writes``)."""
+    keys: dict[MeshKey, int] = {}
+    uses = []
+    for v in views:
+        if isinstance(v.tensor, DTensor):
+            uses.append(keys.setdefault(_mesh_key(v.tensor.device_mesh), len(keys)))
+    return {"meshes": [list(k[1]) for k in keys], "uses": uses}
+
+
+def split_writes(views: list[View], roles: list[dict[str, Any]], rank: int) -> None:
+    """Share each DTensor's writing among all ranks that hold its box, copies of a sub-mesh included.
+
+    ``roles``: every rank's ``mesh_roles``. Mesh number k plays the same part on every rank (the model
+    code is the same); the distinct rank lists of mesh k are its copies, which must be disjoint.
+    """
+    if any(r["uses"] != roles[rank]["uses"] for r in roles):
+        bad = [i for i, r in enumerate(roles) if r["uses"] != roles[0]["uses"]]
+        raise CheckpointError(f"the model's DTensors use their device meshes differently on rank(s) {bad} than on "
+                              "rank 0; fix: build the model and its meshes the same way on every rank")
+    copies: dict[int, tuple[int, int]] = {}
+    for k, mine in enumerate(roles[rank]["meshes"]):
+        lists = sorted({tuple(r["meshes"][k]) for r in roles})
+        if len({x for ranks in lists for x in ranks}) != sum(len(ranks) for ranks in lists):
+            raise CheckpointError(f"device mesh {k} of the model's DTensors has overlapping copies {lists[:4]} across "
+                                  "ranks; fix: build the meshes the same way on every rank (init_device_mesh and its "
+                                  "sub-meshes)")
+        copies[k] = (len(lists), lists.index(tuple(mine)))
+    uses = iter(roles[rank]["uses"])
+    for v in views:
+        if isinstance(v.tensor, DTensor):
+            n, i = copies[next(uses)]
+            if n > 1:
+                mesh = v.tensor.device_mesh
+                coord = mesh.get_coordinate()
+                assert coord is not None
+                v.write = boxes.write_box(v.shape, (n, *mesh.shape), (i, *coord),
+                                          [boxes.replicate(), *placements_of(v.name, v.tensor)])
+
+
 def ensure_sharded(model: nn.Module) -> None:
     """Register every fully_shard unit's sharded DTensors (a unit left unsharded, e.g. after a forward
     with reshard_after_forward=False, would otherwise show plain full tensors in its state_dict)."""

@@ -35,7 +35,7 @@ from .comm import Comm
 from .errors import CheckpointError, Signature
 from .records import ChunkRecord, OptimSkeleton, RankReport, Skeleton, assemble_index
 from .validate import parse_index
-from .views import View, describe, group_hyper, model_views, optimizer_params
+from .views import View, describe, group_hyper, mesh_roles, model_views, optimizer_params, split_writes
 
 _PENDING: list[SaveHandle] = []
 
@@ -242,11 +242,14 @@ def save(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.
             nonce = _prepare_directory(path)
     nonce = comm.broadcast_json(nonce, what=what)
     target = _Target(path, commit_dir.tmp_dir(path, nonce), nonce, keep_last)
-    uniform = len(set(comm.all_gather_json(plan.extra_digest, what=what))) == 1
+    views = [it.view for it in items]
+    gathered = comm.all_gather_json({"extra": plan.extra_digest, "meshes": mesh_roles(views)}, what=what)
+    uniform = len({g["extra"] for g in gathered}) == 1
     with comm.phase(f"{what}: staging", on_error=lambda: _remove_on_rank0(comm, target.tmp)):
         if not os.path.isdir(target.tmp):
             raise CheckpointError(f"rank {comm.rank} cannot see the directory {target.tmp} that rank 0 created; "
                                   "fix: save to a path on a filesystem shared by all ranks")
+        split_writes(views, [g["meshes"] for g in gathered], comm.rank)
         _stage(comm, items, plan, shared, extra, uniform, copy=async_save)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
