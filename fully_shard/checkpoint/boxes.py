@@ -10,6 +10,7 @@ tests/checkpoint/test_multidim.py against DTensor's own local shapes and offsets
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -57,11 +58,11 @@ class Box:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.sizes)
 
-    @property
+    @functools.cached_property
     def ends(self) -> tuple[int, ...]:
         return tuple(o + s for o, s in zip(self.offsets, self.sizes))
 
@@ -220,40 +221,60 @@ def coverage_problem(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     A tensor with no element has no chunk; a 0-dim tensor has exactly one, ``((), ())``.
     """
     shape = tuple(shape)
+    k = len(shape)
     for b in boxes:
-        if len(b.offsets) != len(shape) or len(b.sizes) != len(shape) or \
-                not all(o >= 0 and s >= 1 and o + s <= n for o, s, n in zip(b.offsets, b.sizes, shape)):
+        lo, hi = b.offsets, b.ends
+        if len(lo) != k or len(b.sizes) != k or not all(
+                lo[i] >= 0 and hi[i] > lo[i] and hi[i] <= shape[i] for i in range(k)):
             return (f"chunk at offsets {list(b.offsets)} with sizes {list(b.sizes)} is empty or outside the tensor's "
                     f"shape {list(shape)}")
     if math.prod(shape) == 0:
         return f"chunks listed for a tensor of shape {list(shape)}, which has no element" if boxes else None
-    budget = [MAX_COVERAGE_WORK]
-    return _cover(list(boxes), shape, 0, (), budget)
+    spans = [(b.offsets, b.ends) for b in boxes]
+    return _cover(spans, shape, 0, (), [MAX_COVERAGE_WORK])
 
 
-def _cover(boxes: list[Box], shape: tuple[int, ...], d: int, at: tuple[int, ...], budget: list[int]) -> str | None:
-    """Exact cover of dims d.. by ``boxes`` (all of which cover position ``at`` in dims ..d-1): a sweep over dim d,
-    checking each slab between chunk boundaries recursively (a slab like the previous one is skipped)."""
-    budget[0] -= len(boxes)
+Span = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, ends) of a box
+
+
+def _cover(spans: list[Span], shape: tuple[int, ...], d: int, at: tuple[int, ...], budget: list[int]) -> str | None:
+    """Exact cover of dims d.. by ``spans`` (all of which cover position ``at`` in dims ..d-1): a sweep over dim d
+    that checks each slab between chunk boundaries recursively (a slab like the previous one is skipped), so
+    a grid of n chunks costs about n steps."""
+    budget[0] -= len(spans)
     if budget[0] < 0:
         return f"the chunks are too fragmented to check (more than {MAX_COVERAGE_WORK} steps)"
     where = f"index {list(at)}" if at else "the tensor"
     if d == len(shape):
-        return None if len(boxes) == 1 else f"{len(boxes)} chunks overlap at {where}"
-    bounds = sorted({0, shape[d], *(b.offsets[d] for b in boxes), *(b.ends[d] for b in boxes)})
-    order = sorted(boxes, key=lambda b: b.offsets[d])
+        return None if len(spans) == 1 else f"{len(spans)} chunks overlap at {where}"
+    if all(lo[e] == 0 and hi[e] == shape[e] for lo, hi in spans for e in range(d + 1, len(shape))):
+        return _cover_1d(spans, shape, d, where)  # nothing cuts the later dims: intervals of dim d
+    order = sorted(spans, key=lambda sp: sp[0][d])
+    bounds = sorted({0, shape[d], *(lo[d] for lo, _ in spans), *(hi[d] for _, hi in spans)})
     nxt, active, previous = 0, [], None
     for lo, hi in itertools.pairwise(bounds):
-        while nxt < len(order) and order[nxt].offsets[d] <= lo:
+        while nxt < len(order) and order[nxt][0][d] <= lo:
             active.append(order[nxt])
             nxt += 1
-        active = [b for b in active if b.ends[d] > lo]
-        ids = [id(b) for b in active]
+        active = [sp for sp in active if sp[1][d] > lo]
         if not active:
             return f"indices [{lo}, {hi}) of dim {d} at {where} are covered by no chunk"
-        if ids != previous:
+        if len(active) != len(previous or ()) or any(a is not b for a, b in zip(active, previous or ())):
             problem = _cover(active, shape, d + 1, (*at, lo), budget)
             if problem:
                 return problem
-            previous = ids
+            previous = active
+    return None
+
+
+def _cover_1d(spans: list[Span], shape: tuple[int, ...], d: int, where: str) -> str | None:
+    pos = 0
+    for lo, hi in sorted(spans, key=lambda sp: sp[0][d]):
+        if lo[d] < pos:
+            return f"chunks overlap at indices [{lo[d]}, {min(pos, hi[d])}) of dim {d} at {where}"
+        if lo[d] > pos:
+            return f"indices [{pos}, {lo[d]}) of dim {d} at {where} are covered by no chunk"
+        pos = hi[d]
+    if pos != shape[d]:
+        return f"indices [{pos}, {shape[d]}) of dim {d} at {where} are covered by no chunk"
     return None
