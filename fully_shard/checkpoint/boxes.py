@@ -251,7 +251,9 @@ def _cover(spans: list[Span], shape: tuple[int, ...], d: int, at: tuple[int, ...
         return _cover_1d(spans, shape, d, where)  # nothing cuts the later dims: intervals of dim d
     order = sorted(spans, key=lambda sp: sp[0][d])
     bounds = sorted({0, shape[d], *(lo[d] for lo, _ in spans), *(hi[d] for _, hi in spans)})
-    nxt, active, previous = 0, [], None
+    nxt = 0
+    active: list[Span] = []
+    previous: list[Span] = []
     for lo, hi in itertools.pairwise(bounds):
         while nxt < len(order) and order[nxt][0][d] <= lo:
             active.append(order[nxt])
@@ -259,7 +261,7 @@ def _cover(spans: list[Span], shape: tuple[int, ...], d: int, at: tuple[int, ...
         active = [sp for sp in active if sp[1][d] > lo]
         if not active:
             return f"indices [{lo}, {hi}) of dim {d} at {where} are covered by no chunk"
-        if len(active) != len(previous or ()) or any(a is not b for a, b in zip(active, previous or ())):
+        if len(active) != len(previous) or any(a is not b for a, b in zip(active, previous)):
             problem = _cover(active, shape, d + 1, (*at, lo), budget)
             if problem:
                 return problem
