@@ -635,3 +635,14 @@ def test_our_tp_model_checkpoint_round_trips(tmp_path: Path) -> None:
     print(f"\nour TP checkpoint: resumed loss vs the uninterrupted run, max |diff|: {diffs}")
     assert all(d < TOL for d in diffs.values()), diffs
     assert max(abs(a - b) for a, b in zip(saved["first"], torch_saved["first"])) < 1e-5  # ours = torch's, TP
+
+
+def test_mesh_copies_must_agree_and_be_disjoint() -> None:
+    """split_writes refuses ranks whose DTensors use their meshes differently, and copies that overlap."""
+    from fully_shard.checkpoint.views import split_writes
+    same = {"meshes": [[0, 2]], "uses": [0, 0]}
+    with pytest.raises(checkpoint.CheckpointError, match=r"differently on rank\(s\) \[1\]"):
+        split_writes([], [same, {"meshes": [[1, 3]], "uses": [0]}], 0)
+    with pytest.raises(checkpoint.CheckpointError, match="overlapping copies"):
+        split_writes([], [same, {"meshes": [[2, 3]], "uses": [0, 0]}], 0)
+    split_writes([], [same, {"meshes": [[1, 3]], "uses": [0, 0]}], 0)  # two disjoint copies: fine
