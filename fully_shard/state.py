@@ -34,9 +34,9 @@ class TrainingState(enum.Enum):
 class RootContext:
     """What the root shares with every state below it."""
 
-    def __init__(self, states: list[FSDPState], device: torch.device) -> None:
+    def __init__(self, states: list[FSDPState], device: torch.device, comm: CommContext | None = None) -> None:
         self.states = states
-        self.comm = CommContext(device)
+        self.comm = comm or CommContext(device)  # share_comm_ctx: one shared by several roots
         self.reduces = ReduceQueue(accelerated=self.comm.accelerated)
         self.forward_order: list[FSDPState] = []
         self.order_frozen = False
@@ -62,6 +62,7 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None  # explicit; None means implicit
         self.backward_prefetch: list[FSDPState] | None = None
         self.is_last_backward = True
+        self.shared_comm: CommContext | None = None  # share_comm_ctx before lazy init (iteration.py)
         self._modules_to_run: set[nn.Module] = set()  # list unit: members still to run this pass
         self._awaits_post_backward = False  # this pass wrapped grad-requiring inputs in _PostBackward
         self._member_params = _member_params(modules, group)  # list unit: params under each member
@@ -80,7 +81,7 @@ class FSDPState:
         module = self.modules[0]
         found = list(states_under(module))
         check_not_meta(module)  # ranks made the same calls: checked at fully_shard() time (checks.py)
-        root = RootContext([state for _, state in found], self.device)
+        root = RootContext([state for _, state in found], self.device, self.shared_comm)
         for fqn, state in found:
             state.root = root
             state.is_root = state is self
@@ -287,7 +288,7 @@ class FSDPState:
         """Reduce-scatter ``group``'s grads and queue it; the root's queue decides when it finishes."""
         reduces = self._root.reduces
         if group.requires_gradient_sync:
-            reduces.make_room()  # before this group's reduce buffers are allocated
+            reduces.make_room(group)  # before this group's reduce buffers are allocated
         if group.reduce_grads(reshard_first=group.reshard_after_backward):
             reduces.push(group)
 
