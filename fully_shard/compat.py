@@ -36,8 +36,8 @@ reads (``dp_mesh_dims`` picks the sub-mesh; a ``ShardPlacementResult`` on the un
 placement; one on another mesh raises ``NotImplementedError``); ``torch.distributed._tools.
 fsdp2_mem_tracker`` (it wraps torch's ``FSDPParamGroup`` methods, so it keeps seeing only torch's
 units); ``torch.distributed.checkpoint.state_dict`` (imports only FSDP1 names; it works on the
-DTensor state dicts as is). The ``fully_shard`` bound here also sets the two flags Dynamo reads on
-every module of a unit: ``_is_fsdp_managed_module`` and ``_fsdp_use_orig_params``.
+DTensor state dicts as is). Dynamo's two module flags (``_is_fsdp_managed_module``,
+``_fsdp_use_orig_params``) are set by this library's own ``fully_shard`` (dynamo.py), patched or not.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
 
 from . import api
+from .iteration import share_comm_ctx
 from .mesh import MeshInfo, replicate_mesh
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -94,8 +95,7 @@ class _TorchSignatureFullyShard:
                               shard_placement_fn=_placement_fn(shard_placement_fn, mesh),
                               mp_policy=_mp_policy(mp_policy), offload_policy=_offload_policy(offload_policy),
                               ignored_params=ignored_params)
-        _mark_for_dynamo(out)
-        return out
+        return out  # api.fully_shard sets Dynamo's module flags (dynamo.mark_managed)
 
     def state(self, module: nn.Module) -> StateView | None:
         """``fully_shard.state(module)``: the view torch's pipelining reads (``perform_reduce_grad``);
@@ -185,30 +185,12 @@ def _offload_policy(value: Any) -> OffloadPolicy:
     return _convert(value, CPUOffloadPolicy) if kind == "CPUOffloadPolicy" else OffloadPolicy()  # type: ignore[no-any-return]
 
 
-def _mark_for_dynamo(out: Any) -> None:
-    """The flags Dynamo reads on FSDP-managed modules (torch's fully_shard sets both on every module
-    of a unit): treat them as unspecialized modules, with original (not flat) parameters."""
-    for member in out if isinstance(out, (list, tuple)) else (out,):
-        for sub in member.modules():  # modules of nested units are managed too (by their own unit)
-            sub._is_fsdp_managed_module = True  # type: ignore[assignment]
-            sub._fsdp_use_orig_params = True  # type: ignore[assignment]
-
-
-def _share_comm_ctx(modules: list[Any]) -> None:
-    """torch's ``share_comm_ctx``: this library's when it has one, else a clear error."""
-    own = getattr(sys.modules[__package__ or "fully_shard"], "share_comm_ctx", None)
-    if own is None:
-        raise NotImplementedError("share_comm_ctx (several roots sharing streams and buffers) is not implemented "
-                                  "by this fully_shard version. Fix: leave the roots separate (each has its own).")
-    own(modules)
-
-
 def _ours(name: str) -> object:
-    if name == "share_comm_ctx":  # this library's once it has one (read at patch time)
-        return getattr(sys.modules[__package__ or "fully_shard"], "share_comm_ctx", _share_comm_ctx)
-    return {"fully_shard": fully_shard, "FSDPModule": FSDPModule, "UnshardHandle": UnshardHandle,
-            "MixedPrecisionPolicy": MixedPrecisionPolicy, "OffloadPolicy": OffloadPolicy,
-            "CPUOffloadPolicy": CPUOffloadPolicy, "register_fsdp_forward_method": register_fsdp_forward_method}[name]
+    ours: dict[str, object] = {
+        "share_comm_ctx": share_comm_ctx, "fully_shard": fully_shard, "FSDPModule": FSDPModule,
+        "UnshardHandle": UnshardHandle, "MixedPrecisionPolicy": MixedPrecisionPolicy, "OffloadPolicy": OffloadPolicy,
+        "CPUOffloadPolicy": CPUOffloadPolicy, "register_fsdp_forward_method": register_fsdp_forward_method}
+    return ours[name]
 
 
 # --- patch / unpatch -----------------------------------------------------------------------------

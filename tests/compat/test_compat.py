@@ -61,12 +61,7 @@ def test_patch_rebinds_every_name_and_unpatch_restores_exactly() -> None:
         assert tfsdp.CPUOffloadPolicy is ours.CPUOffloadPolicy and tfsdp.OffloadPolicy is ours.OffloadPolicy
         assert tfsdp.UnshardHandle is ours.UnshardHandle
         assert tfsdp.register_fsdp_forward_method is ours.register_fsdp_forward_method
-        own_share = getattr(ours, "share_comm_ctx", None)  # this library's once it has one
-        if own_share is not None:
-            assert tfsdp.share_comm_ctx is own_share
-        else:
-            with pytest.raises(NotImplementedError, match="share_comm_ctx"):
-                tfsdp.share_comm_ctx([])
+        assert tfsdp.share_comm_ctx is ours.share_comm_ctx
         assert stage.FSDPModule is ours.FSDPModule and stage.fully_shard is compat.fully_shard
         assert schedules.FSDPModule is ours.FSDPModule and schedules.UnshardHandle is ours.UnshardHandle
         from torch.distributed.fsdp import fully_shard as imported  # a framework's import after patching
