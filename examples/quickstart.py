@@ -181,7 +181,7 @@ def main() -> None:
         shared = [os.path.join(tmp, "ckpt")]
         dist.broadcast_object_list(shared, src=0)  # rank 0's directory (one machine here)
         path = shared[0]
-        checkpoint.save(path, model, opt)  # SHARDED_STATE_DICT: each rank writes its own rows
+        checkpoint.save(path, model, opt)  # SHARDED_STATE_DICT: each rank writes its own blocks
         reference = train(model, opt, later, DEVICE)  # the original run goes on
         resumed_model, _ = shard(strategy, ModuleClassPolicy({TransformerBlock}), bf16)
         resumed_opt = torch.optim.AdamW(resumed_model.parameters(), lr=3e-3)

@@ -7,7 +7,7 @@ from .api import fully_shard
 from .clip import clip_grad_norm_, total_grad_norm
 from .init import default_init, materialize_meta_module
 from .mesh import DataParallelMeshDims
-from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .policy import (
     AllGatherPolicy,
     CPUOffloadPolicy,
@@ -58,6 +58,7 @@ __all__ = [
     "plan_wrap",
     "profile",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
     "strategy_kwargs",
     "total_grad_norm",
 ]

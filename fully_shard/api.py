@@ -17,6 +17,7 @@ from torch.distributed.tensor import Placement, Shard
 
 from .checks import check_same_call, describe_call
 from .composable import check_not_replicated, mark_fully_shard
+from .dynamo import mark_managed
 from .group import ParamGroup
 from .mesh import DataParallelMeshDims, MeshInfo, default_mesh, subgroup
 from .module import FSDPModule
@@ -90,6 +91,7 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
         m.__dict__["_fsdp_state"] = state
         m.__class__ = _fsdp_class(type(m))
         mark_fully_shard(m)  # torch's replicate() above it leaves these params alone (composable.py)
+    mark_managed(sub for m in modules for _, sub in _walk_unowned(m))  # what Dynamo looks for (dynamo.py)
     title = (f"fully_shard({unit_name}) mesh={tuple(mesh.shape)} reshard_after_forward={reshard_after_forward} "
              f"param_dtype={mp_policy.param_dtype} reduce_dtype={mp_policy.reduce_dtype}")
     check_same_call(describe_call(modules, _unit_owners(modules, state), title=title), mesh_info, device)

@@ -12,7 +12,7 @@ structure check at fully_shard() time, gradient-norm sums (clip.py) and meta-ini
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,22 @@ def _reduce_scatter_fn():
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+Alloc = Callable[..., torch.Tensor]  # a custom comm's ``allocate(size, *, dtype, device)``
+
+
+def allocate(alloc: Alloc | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat communication buffer: from a ``set_custom_all_gather``/``set_custom_reduce_scatter``
+    object's ``allocate`` (torch's ``Comm`` protocol) when given, else ``torch.empty``."""
+    if alloc is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    buf = alloc((numel,), dtype=dtype, device=device)
+    if buf.numel() != numel or buf.dtype != dtype or not buf.is_contiguous():
+        raise ValueError(f"custom comm allocate(({numel},), dtype={dtype}, device={device}) returned a "
+                         f"{'' if buf.is_contiguous() else 'non-contiguous '}{buf.dtype} tensor of "
+                         f"{buf.numel()} elements. Fix: return a contiguous tensor of that size and dtype.")
+    return buf.view(-1)
+
+
 def _segment(buffer: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """``rank``'s share of a flat buffer split evenly over ``world`` ranks."""
     block = buffer.numel() // world
@@ -44,10 +60,10 @@ def _segment(buffer: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 # --- all-gather ------------------------------------------------------------------------------------
 def all_gather_copy_in(params: Sequence[ShardedParam], flat: FlatLayout, rank: int, dtype: torch.dtype,
-                       device: torch.device) -> torch.Tensor:
+                       device: torch.device, *, alloc: Alloc | None = None) -> torch.Tensor:
     """Allocate the gathered buffer and write this rank's padded shards (cast to ``dtype``) into
     its own segment. Returns the whole ``world * shard_numel`` buffer."""
-    out = torch.empty(flat.total_numel, dtype=dtype, device=device)
+    out = allocate(alloc, flat.total_numel, dtype, device)
     parts = [part for p in params for part in p.copy_in_parts()]
     if parts and parts[0].device != device:  # CPU offload: shards live on the host
         parts = [part.to(device, non_blocking=True) for part in parts]
@@ -57,21 +73,25 @@ def all_gather_copy_in(params: Sequence[ShardedParam], flat: FlatLayout, rank: i
 
 
 def partial_all_gather_copy_in(block: torch.Tensor, flat: FlatLayout, over: SubgroupInfo, dtype: torch.dtype,
-                               device: torch.device) -> torch.Tensor:
+                               device: torch.device, *, alloc: Alloc | None = None) -> torch.Tensor:
     """reshard_after_forward=k: allocate the gathered buffer and write the block this rank kept
     (``partial_shard_copy_in``) into its k-subgroup segment."""
-    out = torch.empty(flat.total_numel, dtype=dtype, device=device)
+    out = allocate(alloc, flat.total_numel, dtype, device)
     _segment(out, over.rank, over.world).copy_(block)
     return out
 
 
-def all_gather(out: torch.Tensor, over: SubgroupInfo, async_op: bool) -> dist.Work | None:
+def all_gather(out: torch.Tensor, over: SubgroupInfo, async_op: bool, *, comm: Any = None) -> dist.Work | None:
     """In-place all-gather over ``over`` (the shard group or a k-subgroup) of this rank's segment of
-    ``out`` into the whole of ``out``. Over one rank the segment is the whole buffer: no collective
+    ``out`` into the whole of ``out``, by ``comm(output_tensor=, input_tensor=, group=, async_op=)`` when
+    a custom all-gather is set. Over one rank the segment is the whole buffer: no collective
     (as torch's FSDP2; NO_SHARD's one-rank shard groups too)."""
     if over.world == 1:
         return None
-    return all_gather_into(out, _segment(out, over.rank, over.world), over.group, async_op=async_op)
+    inp = _segment(out, over.rank, over.world)
+    if comm is not None:
+        return comm(output_tensor=out, input_tensor=inp, group=over.group, async_op=async_op)
+    return all_gather_into(out, inp, over.group, async_op=async_op)
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *,
@@ -81,7 +101,7 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGro
 
 
 def all_gather_object(obj: Any, group: dist.ProcessGroup) -> list[Any]:
-    """Every rank's ``obj`` (pickled; error paths only)."""
+    """Every rank's ``obj`` (pickled; error paths, and the extension layout check at lazy init)."""
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
@@ -113,10 +133,10 @@ def _scatter_rows(rows: torch.Tensor, params: Sequence[ShardedParam], sizes: Seq
 
 
 def quantized_all_gather_copy_in(params: Sequence[ShardedParam], blocks: BlockLayout, rank: int, world: int,
-                                 device: torch.device) -> torch.Tensor:
+                                 device: torch.device, *, alloc: Alloc | None = None) -> torch.Tensor:
     """QuantizedAllGather: allocate the gathered uint8 buffer (``world`` packed segments) and quantize
     this rank's padded shards, each padded to whole blocks, into its own segment (quantize.py)."""
-    out = torch.empty(world * blocks.packed_nbytes, dtype=torch.uint8, device=device)
+    out = allocate(alloc, world * blocks.packed_nbytes, torch.uint8, device)
     parts = []
     for p, block_pad in zip(params, blocks.pieces[1::2]):
         parts += p.copy_in_parts()
@@ -154,7 +174,8 @@ def partial_shard_copy_in(params: Sequence[ShardedParam], flat: FlatLayout,
 
 # --- reduce-scatter and all-reduce -------------------------------------------------------------------
 def reduce_scatter_copy_in(grads: Sequence[torch.Tensor | None], params: Sequence[ShardedParam],
-                           flat: FlatLayout, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+                           flat: FlatLayout, dtype: torch.dtype, device: torch.device, *,
+                           alloc: Alloc | None = None) -> torch.Tensor:
     """Pack unsharded grads into a ``(world, shard_numel)`` buffer of ``dtype``; row r goes to rank r.
 
     One ``torch.cat`` along dim 1 of ``(world, size)`` views (it casts to ``dtype`` on the way); only a
@@ -173,19 +194,22 @@ def reduce_scatter_copy_in(grads: Sequence[torch.Tensor | None], params: Sequenc
             src = p.moved(grad).reshape(-1)  # shard dim first (a no-op for Shard(0))
             pad = world * size - src.numel()
             pieces.append((F.pad(src, (0, pad)) if pad else src).view(world, size))
-    buf = torch.empty(world, flat.shard_numel, dtype=dtype, device=device)
+    buf = allocate(alloc, world * flat.shard_numel, dtype, device).view(world, flat.shard_numel)
     if pieces:
         torch.cat(pieces, dim=1, out=buf)
     return buf.view(-1)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp,
-                   async_op: bool) -> dist.Work | None:
-    """``out`` = this rank's segment of ``inp`` reduced over ``group``; over one rank (``inp`` is one
-    segment) a copy, no collective."""
+                   async_op: bool, *, comm: Any = None) -> dist.Work | None:
+    """``out`` = this rank's segment of ``inp`` reduced over ``group`` (by ``comm(output_tensor=,
+    input_tensor=, group=, op=, async_op=)`` when a custom reduce-scatter is set); over one rank
+    (``inp`` is one segment) a copy, no collective."""
     if out.numel() == inp.numel():
         out.copy_(inp)
         return None
+    if comm is not None:
+        return comm(output_tensor=out, input_tensor=inp, group=group, op=op, async_op=async_op)
     return _reduce_scatter_fn()(out, inp, op=op, group=group, async_op=async_op)
 
 

@@ -16,20 +16,21 @@ from __future__ import annotations
 import enum
 import functools
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
-from . import collectives, trace
+from . import collectives, extension, trace
 from .layout import FlatLayout
 from .mesh import MeshInfo, SubgroupInfo
 from .param import ShardedParam
 from .policy import AllGatherPolicy, MixedPrecisionPolicy, QuantizedAllGather
 from .quantize import BlockLayout
+from .reduce import GroupReduce, ReduceQueue, ReduceSettings, _PendingReduce
 from .streams import CommContext, Pending
+
+__all__ = ["GroupState", "ParamGroup", "ReduceQueue"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -58,17 +59,7 @@ class GroupState(enum.Enum):
     PARTIALLY_SHARDED = "partially_sharded"  # sharded over a k-rank subgroup after forward
 
 
-@dataclass
-class _PendingReduce:
-    output: torch.Tensor | None  # this rank's reduced flat shard (reduce dtype); None: HSDP kept it to sum
-    reduce_scatter: Pending
-    all_reduce: Pending | None  # HSDP: issued right after the reduce-scatter, waited with it
-    cpu_input: torch.Tensor | None  # CPU: kept alive until the async work is waited
-    params: list[ShardedParam]  # whose grads the output holds, at ``flat``'s offsets
-    flat: FlatLayout
-
-
-class ParamGroup:
+class ParamGroup(GroupReduce):
     """All managed parameters of one fully_shard call, communicated together."""
 
     def __init__(self, params: list[ShardedParam], fqn: str, mesh_info: MeshInfo, device: torch.device,
@@ -87,6 +78,7 @@ class ParamGroup:
         self.state = GroupState.SHARDED
         self.comm: CommContext | None = None  # the root's, set at lazy init
         self._pending_unshard: tuple[torch.Tensor, Pending, trace.Event | None] | None = None
+        self.gather_plan: extension.GatherPlan | None = None  # tensor-subclass params (extension.py)
         self._partial_shard: torch.Tensor | None = None
         self._pending_reduces: list[_PendingReduce] = []
         self._partial_reduce_output: torch.Tensor | None = None  # HSDP without all-reduce
@@ -97,6 +89,9 @@ class ParamGroup:
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.reshard_after_backward = True
+        self.unshard_in_backward = True  # set_unshard_in_backward
+        self.all_gather_comm: Any = None  # set_custom_all_gather / PG allocation: allocate() + __call__()
+        self.reduce_settings = ReduceSettings()  # the reduce side's set_* calls (reduce.py)
         self._check_dtypes()
 
     # --- dtypes ---------------------------------------------------------------------------------
@@ -145,10 +140,13 @@ class ParamGroup:
 
     def _reduced(self, p: ShardedParam) -> bool:
         """Whether ``p`` takes part in a reduce: trainable and, in a list unit, under a member that ran
-        (or holding a gradient), so a member no rank ran keeps ``.grad = None`` as in torch."""
+        (or holding a gradient), so a member no rank ran keeps ``.grad = None`` as in torch. Under
+        ``set_reduce_scatter_unused_params(False)`` only a parameter holding a gradient on this rank
+        (torch's default: every rank must then agree on which are unused)."""
         if not p.requires_grad:
             return False
-        if self._used is None or id(p) in self._used:
+        used = self._used is None or id(p) in self._used
+        if used and self.reduce_settings.unused_params is not False:  # False: torch's skip, see below
             return True
         if not self.requires_all_reduce or self._partial_reduce_output is not None:
             return True  # HSDP without all-reduce sums outputs across reduces: one layout
@@ -167,6 +165,8 @@ class ParamGroup:
     @property
     def unsharded_nbytes(self) -> int:
         """Bytes of the gathered buffer at ``param_dtype`` (padding included)."""
+        if self.gather_plan is not None and self.gather_plan.split is not None:  # tensor subclasses
+            return self.gather_plan.nbytes
         return self.flat.total_numel * self.param_dtype.itemsize
 
     def check_subgroup(self, reshard_after_forward: bool | int | None) -> None:
@@ -209,6 +209,7 @@ class ParamGroup:
             p.adopt_module_param()
             p.init_unsharded(self.param_dtype, self.device)
         self._check_dtypes()
+        self.gather_plan = extension.GatherPlan.of(self, collectives.all_gather_object)
 
     def adopt_module_params(self) -> None:
         """After ``module.to(dtype)``/``_apply`` replaced or converted the sharded parameters: re-read
@@ -223,6 +224,8 @@ class ParamGroup:
     def unshard(self, phase: trace.Phase = trace.Phase.EXPLICIT, *, prefetch: bool = False) -> None:
         """Issue the all-gather (asynchronously); ``wait_for_unshard`` makes the params usable."""
         if self.state in (GroupState.UNSHARDED, GroupState.UNSHARDING) or not self.params:
+            return
+        if self._skips_backward_unshard(phase):
             return
         partial = self.state is GroupState.PARTIALLY_SHARDED
         self._transition({GroupState.SHARDED, GroupState.PARTIALLY_SHARDED}, GroupState.UNSHARDING, "unshard")
@@ -247,29 +250,39 @@ class ParamGroup:
         ctx = self._comm
         copy_in_stream = ctx.stream("all_gather_copy_in")
         # the shards may have just been updated by the optimizer on the compute stream
-        ctx.wait_stream(copy_in_stream, ctx.current_stream())
+        ctx.order_copy_in(copy_in_stream)  # after the optimizer step (or set_post_optim_event's event)
+        alloc = self.all_gather_comm.allocate if self.all_gather_comm is not None else None
         with ctx.on(copy_in_stream):
             ctx.release_all_gather_buffer()
+            if self.gather_plan is not None:  # (never partial nor quantized: GatherPlan.of)
+                return self.gather_plan.copy_in(self.mesh_info.shard_rank)
             if self.blocks is not None:  # (never partial: check_all_gather_policy)
                 return collectives.quantized_all_gather_copy_in(self.params, self.blocks, self.mesh_info.shard_rank,
-                                                                self.flat.world, self.device)
+                                                                self.flat.world, self.device, alloc=alloc)
             if not partial:
                 return collectives.all_gather_copy_in(self.params, self.flat, self.mesh_info.shard_rank,
-                                                      self.param_dtype, self.device)
+                                                      self.param_dtype, self.device, alloc=alloc)
             assert self.subgroup is not None and self._partial_shard is not None
             block, self._partial_shard = self._partial_shard, None
             return collectives.partial_all_gather_copy_in(block, self.flat, self.subgroup, self.param_dtype,
-                                                          self.device)
+                                                          self.device, alloc=alloc)
 
     def _issue_all_gather(self, out: torch.Tensor, over: SubgroupInfo) -> Pending:
         ctx = self._comm
         ctx.wait_stream(ctx.stream("all_gather"), ctx.stream("all_gather_copy_in"))
-        return ctx.issue("all_gather", lambda a: collectives.all_gather(out, over, a))
+        return ctx.issue("all_gather", lambda a: collectives.all_gather(out, over, a, comm=self.all_gather_comm))
+
+    def _skips_backward_unshard(self, phase: trace.Phase) -> bool:
+        """``set_unshard_in_backward(False)``: backward does not need these parameters (an embedding's
+        weight gradient reads only indices): no backward all-gather; autograd still accumulates the
+        full-size gradient into the freed unsharded parameter, reduced at the end of backward."""
+        return (phase is trace.Phase.BACKWARD and not self.unshard_in_backward
+                and self.state is not GroupState.UNSHARDING)
 
     @_outside_functorch
     def wait_for_unshard(self, phase: trace.Phase = trace.Phase.EXPLICIT) -> None:
         """Finish the all-gather, copy out into the unsharded params and register them."""
-        if self.state is GroupState.UNSHARDED or not self.params:
+        if self.state is GroupState.UNSHARDED or not self.params or self._skips_backward_unshard(phase):
             return
         if self.state is not GroupState.UNSHARDING:
             self.unshard(phase)
@@ -285,7 +298,9 @@ class ParamGroup:
         with torch.no_grad():
             for p in self.params:
                 p.alloc_unsharded()
-            if self.blocks is not None:
+            if self.gather_plan is not None:
+                self.gather_plan.copy_out(out)
+            elif self.blocks is not None:
                 collectives.quantized_all_gather_copy_out(out, self.params, self.blocks, self.param_dtype)
             else:
                 collectives.all_gather_copy_out(out, self.params, self.flat)
@@ -319,96 +334,21 @@ class ParamGroup:
         kept = self._partial_shard if keep else None
         self._emit(trace.EventKind.RESHARD, phase, nbytes=_nbytes(kept) if kept is not None else 0)
 
+    def reset(self) -> None:
+        """``reset_iter_state``: finish the all-gather in flight, drop the failed step's reduces and
+        gradients and register the sharded parameters again (SHARDED)."""
+        if self._pending_unshard is not None:
+            self._pending_unshard[1].wait(self._comm)
+            self._pending_unshard = None
+            self.state = GroupState.UNSHARDED  # nothing copied out: reshard() frees and re-registers
+        self.reshard()
+        self.discard_reduces()
+        self.clear_used()
+
     # --- gradients (always reduced in, or finished after, a backward) ---------------------------
     def has_unsharded_grads(self) -> bool:
         return any(p.unsharded_param is not None and p.unsharded_param.grad is not None
                    for p in self.grad_params)
-
-    def reduce_grads(self, *, reshard_first: bool = False) -> bool:
-        """Post-backward: reduce-scatter the unsharded grads (or stash them when sync is off); True
-        when a reduce was issued (the caller queues the group, see ``ReduceQueue``).
-
-        ``reshard_first``: free the unsharded params once their grads are taken, before the reduce
-        buffers are allocated (as torch's FSDP2 does): the peak holds one unit's params less."""
-        params, flat = self._grad_layout()
-        if not params:
-            return False
-        if not self.requires_gradient_sync:
-            for p in params:
-                p.stash_unsharded_grad(self.reduce_dtype)
-            return False
-        grads = [p.take_unsharded_grad() for p in params]
-        if all(g is None for g in grads):
-            return False
-        if reshard_first:
-            self.reshard(trace.Phase.BACKWARD)
-        ctx = self._comm
-        with torch.no_grad():
-            ctx.release_reduce_scatter_input()
-            inp = collectives.reduce_scatter_copy_in(grads, params, flat, self.reduce_dtype, self.device)
-            del grads
-            rs_stream = ctx.stream("reduce_scatter")
-            ctx.wait_stream(rs_stream, ctx.current_stream())
-            with ctx.on(rs_stream):
-                out = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=self.device)
-            pending = ctx.issue("reduce_scatter", lambda a: collectives.reduce_scatter(
-                out, inp, self.mesh_info.shard_group, collectives.AVG, a))
-        if ctx.accelerated:  # keep the input until its collective is done (see streams.py)
-            ctx.hold_reduce_scatter_input(inp, pending.event)
-        self._emit(trace.EventKind.REDUCE_SCATTER, trace.Phase.BACKWARD,
-                   nbytes=_nbytes(inp), group_size=self.mesh_info.shard_world, timing=pending.timing)
-        output: torch.Tensor | None = out
-        all_reduce = None
-        if self.mesh_info.replicate_group is not None:
-            output, all_reduce = self._all_reduce_replicas(out, pending)
-        cpu_input = None if ctx.accelerated else inp
-        self._pending_reduces.append(_PendingReduce(output, pending, all_reduce, cpu_input, params, flat))
-        return True
-
-    def finish_reduces(self) -> None:
-        """Wait for this group's reduce-scatters (and HSDP all-reduces); assign sharded grads."""
-        if not self._pending_reduces:
-            return
-        for item in self._pending_reduces:
-            item.reduce_scatter.wait(self._comm)
-            if item.all_reduce is not None:
-                item.all_reduce.wait(self._comm)
-            if item.output is not None:
-                self._assign_grads(item.output, item.params, item.flat)
-        self._pending_reduces.clear()
-        self._emit(trace.EventKind.REDUCE_DONE, trace.Phase.BACKWARD)
-
-    def _all_reduce_replicas(self, output: torch.Tensor,
-                             reduce_scatter: Pending) -> tuple[torch.Tensor | None, Pending | None]:
-        """HSDP: issue the average of the reduce-scattered shard across replicas as soon as the
-        reduce-scatter is done, on its own stream, so it overlaps the next unit's backward (or keep
-        accumulating under ``set_requires_all_reduce(False)``). Returns the output and its all-reduce."""
-        ctx = self._comm
-        ctx.wait_for("all_reduce", reduce_scatter)
-        with ctx.on(ctx.stream("all_reduce")):
-            if self._partial_reduce_output is not None:
-                output = output + self._partial_reduce_output
-                self._partial_reduce_output = None
-        if not self.requires_all_reduce:
-            self._partial_reduce_output = output
-            return None, None
-        group = self.mesh_info.replicate_group
-        assert group is not None
-        pending = ctx.issue("all_reduce", lambda a: collectives.all_reduce(output, group, collectives.AVG,
-                                                                           async_op=a))
-        self._emit(trace.EventKind.ALL_REDUCE, trace.Phase.BACKWARD,
-                   nbytes=_nbytes(output), group_size=self.mesh_info.replicate_world, timing=pending.timing)
-        return output, pending
-
-    def _assign_grads(self, output: torch.Tensor, params: list[ShardedParam], flat: FlatLayout) -> None:
-        """Assign each parameter's rows as its sharded ``.grad``, then run its post-accumulate-grad
-        hooks (optimizer-in-backward), as autograd would for a leaf (design/hooks.md)."""
-        rank = self.mesh_info.shard_rank
-        with torch.no_grad():
-            for p, offset in zip(params, flat.offsets):
-                local = output.narrow(0, offset, p.layout.local_numel(rank)).view(p.layout.local_shape(rank))
-                p.set_sharded_grad(local)
-                p.run_post_accumulate_grad_hooks()
 
     def __repr__(self) -> str:
         lines = [f"ParamGroup({self.fqn or '<root>'}, {self.state.name}, {len(self.params)} params)"]
@@ -418,34 +358,3 @@ class ParamGroup:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-class ReduceQueue:
-    """The groups of one root with reduces in flight, oldest first. Before a group allocates its
-    reduce buffers, ``make_room`` finishes the oldest until fewer than ``max_in_flight`` remain, so at
-    most ``max_in_flight`` reduces (the new one included) are ever in flight and their buffers stay
-    bounded instead of piling up until the end of backward.
-
-    ``max_in_flight``: 2 on accelerators (one behind the next unit's backward while the newest is
-    issued); 1 on CPU: a unit's reduce-scatter runs in gloo's thread behind the next unit's backward
-    and is finished just before that unit allocates its own, so two reduce inputs never coexist. The
-    cost is that input while it runs, during the next unit's early backward; ``max_in_flight = 0``
-    finishes each reduce at once (no overlap). Figures in benchmarks/README.md; design/data-path.md."""
-
-    def __init__(self, *, accelerated: bool) -> None:
-        self.max_in_flight = 2 if accelerated else 1
-        self._groups: deque[ParamGroup] = deque()
-
-    def make_room(self) -> None:
-        while self._groups and len(self._groups) >= self.max_in_flight:
-            self._groups.popleft().finish_reduces()
-
-    def push(self, group: ParamGroup) -> None:
-        if group not in self._groups:
-            self._groups.append(group)
-        while len(self._groups) > self.max_in_flight:  # 0: finish right away (no overlap)
-            self._groups.popleft().finish_reduces()
-
-    def drain(self) -> None:
-        while self._groups:
-            self._groups.popleft().finish_reduces()

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+import math
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from .group import GroupState
+from . import comms, iteration
+from .group import GroupState, ParamGroup
 from .policy import check_reshard_after_forward
 from .state import FSDPState, get_state, states_under
 from .tree import join_fqn
@@ -113,6 +118,149 @@ class FSDPModule:
         (micro-batching); they finish on the next backward or forward. Set on the root."""
         self._fsdp.is_last_backward = is_last_backward
 
+    def _groups(self, recurse: bool = False) -> Iterator[ParamGroup]:
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                yield state.group
+
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward, on the root: every unit resharded, the
+        failed step's in-flight reductions dropped, the next step correct (design/hooks.md)."""
+        iteration.reset_iter_state(self._fsdp)
+
+    # --- gradient reduction (reduce.py) ---------------------------------------------------------
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradient by ``factor`` instead of averaging over all ranks (``1.0``: the
+        pure sum, for a loss already scaled by the global token count). SUM collectives + one scale,
+        on every backend (torch needs NCCL's PREMUL_SUM); composes with HSDP and ``reduce_dtype``."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
+                or factor <= 0:
+            raise ValueError(f"set_gradient_divide_factor expects a finite number > 0, got {factor!r}. "
+                             "Fix: pass e.g. 1.0 for the pure sum or the global batch size.")
+        for group in self._groups():
+            group.reduce_settings.divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated name of :meth:`set_gradient_divide_factor` (as in torch)."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor",
+                      FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """True: only SUM collectives; the average (or divide factor) is a separate scale afterwards
+        (split around the collective for fp16, as torch)."""
+        for group in self._groups():
+            group.reduce_settings.force_sum = bool(enable)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """``hook(reduced_shard)`` after the reduce-scatter (1-D mesh) or after the replica all-reduce
+        (HSDP), in the reduce dtype, before the divide factor, in place. ``stream`` (accelerators, 1-D
+        only): run it there; default the all-reduce stream."""
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook expects a callable hook(tensor), got {type(hook).__name__}")
+        for group in self._groups():
+            if stream is not None and group.mesh_info.replicate_group is not None:
+                raise ValueError("set_all_reduce_hook: stream cannot be set with HSDP (the hook runs on the "
+                                 "all-reduce stream). Fix: pass stream=None.")
+            if stream is not None and group.device.type == "cpu":
+                raise ValueError("set_all_reduce_hook: device 'cpu' has no streams; the hook runs on the host "
+                                 "after the reduce-scatter finished. Fix: pass stream=None.")
+            group.reduce_settings.all_reduce_hook = hook
+            group.reduce_settings.hook_stream = stream
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """True: a parameter with no gradient on this rank sends zeros (this library's default, safe
+        when ranks use different parameters). False: torch's default, such a parameter is left out of
+        the reduce-scatter and keeps ``.grad = None``; every rank must then leave out the same ones."""
+        for group in self._groups(recurse):
+            group.reduce_settings.unused_params = bool(reduce_scatter_unused_params)
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """At most ``max_input_buffers`` reduce-scatters (their input buffers) in flight at once; the
+        oldest is finished before a new one is allocated (default: 1 on CPU as torch, 2 on GPUs)."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for group in self._groups(recurse):
+            group.reduce_settings.max_input_buffers = max_input_buffers
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Run the reduce-scatters on their own process group over the shard ranks (one per rank set),
+        so they can progress beside the all-gathers; collective: call it on every rank."""
+        created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for group in self._groups(recurse):
+            settings = group.reduce_settings
+            if not enable:
+                settings.group = None
+                continue
+            ranks = tuple(dist.get_process_group_ranks(group.mesh_info.shard_group))
+            if ranks not in created:
+                created[ranks] = settings.group or dist.new_group(list(ranks), use_local_synchronization=True)
+            settings.group = created[ranks]
+
+    # --- collectives and buffers (comms.py) -----------------------------------------------------
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: no backward all-gather for this unit, whose parameters backward does not read (an
+        embedding); their gradients are still reduced."""
+        for group in self._groups():
+            group.unshard_in_backward = bool(unshard_in_backward)
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Replace the all-gather and its buffer: ``comm.allocate((n,), dtype=, device=)`` gives the
+        gathered buffer, ``comm(output_tensor=, input_tensor=, group=, async_op=)`` fills it."""
+        comms.check_comm(comm, "set_custom_all_gather", "output_tensor, input_tensor, group, async_op")
+        for group in self._groups():
+            group.all_gather_comm = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Replace the reduce-scatter and its buffers: ``comm.allocate`` gives the input and the output,
+        ``comm(output_tensor=, input_tensor=, group=, op=, async_op=)`` reduces."""
+        comms.check_comm(comm, "set_custom_reduce_scatter", "output_tensor, input_tensor, group, op, async_op")
+        for group in self._groups():
+            group.reduce_settings.comm = comm
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Take the communication buffers from the process group's allocator (NCCL zero-copy). A
+        backend without one (gloo) warns once and keeps ``torch.empty``."""
+        for group in self._groups():
+            if not (comms.is_builtin(group.all_gather_comm) and comms.is_builtin(group.reduce_settings.comm)):
+                raise ValueError("set_allocate_memory_from_process_group_for_comm cannot be combined with "
+                                 "set_custom_all_gather/set_custom_reduce_scatter (they allocate their own "
+                                 "buffers). Fix: allocate from the process group inside your comm object.")
+            shard = group.mesh_info.shard_group
+            rs_group = group.reduce_settings.group or shard
+            if enable and not comms.supports_tensor_alloc(shard, group.device):
+                comms.warn_once("set_allocate_memory_from_process_group_for_comm", group.device,
+                                comms.backend_name(shard), "the backend has no tensor allocator; buffers come "
+                                "from torch.empty")
+                enable = False
+            group.all_gather_comm = comms.PGAllocAllGather(shard) if enable else None
+            group.reduce_settings.comm = comms.PGAllocReduceScatter(rs_group) if enable else None
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Symmetric-memory all-gather buffers: not implemented (needs CUDA + NCCL symmetric memory);
+        raises ``NotImplementedError`` naming this unit's device and backend."""
+        for group in self._groups():
+            found = comms.backend_name(group.mesh_info.shard_group)
+            raise NotImplementedError(
+                f"set_symm_mem_for_comm(backend={backend!r}): symmetric-memory buffers are not implemented in "
+                f"fully_shard (this unit runs on device {group.device.type!r} with the {found!r} backend; torch's "
+                "needs CUDA + NCCL). Fix: drop the call, or plug a symmetric-memory all-gather in with "
+                "set_custom_all_gather.")
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """The root's next all-gather copy-in waits on ``event`` (recorded after the optimizer step)
+        instead of the compute stream, once; pass a new event each iteration. On CPU (no streams) the
+        host waits on it: a ``torch.Event`` or any object with ``synchronize()`` or ``wait()``."""
+        if not (callable(getattr(event, "synchronize", None)) or callable(getattr(event, "wait", None))):
+            raise TypeError(f"set_post_optim_event expects a torch.Event (or an object with synchronize() or "
+                            f"wait()), got {type(event).__name__}")
+        state = self._fsdp
+        state.lazy_init()
+        assert state.root is not None
+        state.root.comm.post_optim_event = event
+
     def fsdp_repr(self) -> str:
         """One line per managed parameter: ``blocks.0.up.weight f32[157@shard/2, 60] SHARDED``."""
         lines = []
@@ -133,6 +281,12 @@ def _state_of(module: Any, method: str) -> FSDPState:
         raise ValueError(f"{method} expects modules passed to fully_shard, got {type(module).__name__}. "
                          f"Fix: call fully_shard(module) on it first.")
     return state
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Several roots (pipeline chunks) share one communication context (streams, buffers); see
+    ``iteration.share_comm_ctx``."""
+    iteration.share_comm_ctx(modules)
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

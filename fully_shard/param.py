@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from . import extension
 from .layout import DimZeroLayout
 from .mesh import MeshInfo
 from .spmd import ParamSpec, local_grad, spec_of
@@ -56,6 +57,8 @@ class ShardedParam:
         self._unsharded_write: torch.Tensor | None = None  # same storage, own version counter
         self.unsharded_accumulated_grad: torch.Tensor | None = None  # no-sync accumulation
         self.sharded_param: DTensor = self._make_sharded(data)  # an nn.Parameter wrapping a DTensor
+        # A tensor subclass with fsdp_pre/post_all_gather builds its own unsharded form (extension.py)
+        self.extension: extension.Extension | None = extension.detect(self)
 
     # --- sharded form -------------------------------------------------------------------------
     def _make_sharded(self, data: torch.Tensor) -> DTensor:
@@ -63,8 +66,12 @@ class ShardedParam:
         if isinstance(data, DTensor):  # already on the FSDP mesh: re-shard its full value
             data = data.full_tensor()
         start, end = self.layout.row_range(self.mesh_info.shard_rank)
-        local = data if self.layout.replicated else self.unmoved(self.moved(data)[start:end])
-        local = (local if local.is_meta else local.to(self.storage_device)).contiguous().clone()
+        if extension.has_hooks(data) and not self.layout.replicated and self.shard_dim == 0:
+            local = extension.own_rows(data, self.mesh_info.shard_rank, self.layout.chunk_rows, start, end,
+                                       self.storage_device)  # a subclass: the ops torch's fully_shard uses
+        else:
+            local = data if self.layout.replicated else self.unmoved(self.moved(data)[start:end])
+            local = (local if local.is_meta else local.to(self.storage_device)).contiguous().clone()
         if self.pin_memory and local.device.type == "cpu" and torch.accelerator.is_available():
             local = local.pin_memory()  # CPU offload: pinned host memory for async H2D/D2H copies
         return self._wrap_local(local)
@@ -142,6 +149,8 @@ class ShardedParam:
     # --- unsharded form -----------------------------------------------------------------------
     def init_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:
         """Create the unsharded Parameter object once; storage stays freed until alloc_unsharded()."""
+        if self.extension is not None:  # the post-hook creates it at the first unshard
+            return
         if self._unsharded_padded is not None and self._unsharded_padded.dtype == dtype:
             return
         padded = torch.empty(self._unsharded_numel, dtype=dtype, device=device)
@@ -199,16 +208,23 @@ class ShardedParam:
         return self._unsharded_write
 
     def alloc_unsharded(self) -> None:
+        if self.extension is not None:
+            self.extension.alloc()
+            return
         storage = self.unsharded_write.untyped_storage()
         nbytes = self._unsharded_numel * self.unsharded_write.element_size()
         if storage.size() != nbytes:
             storage.resize_(nbytes)
 
     def free_unsharded(self) -> None:
+        if self.extension is not None:
+            self.extension.free()
         if self._unsharded_write is not None:
             self._unsharded_write.untyped_storage().resize_(0)
 
     def unsharded_allocated(self) -> bool:
+        if self.extension is not None:
+            return self.extension.allocated()
         return self._unsharded_write is not None and self._unsharded_write.untyped_storage().size() > 0
 
     # --- registration -------------------------------------------------------------------------

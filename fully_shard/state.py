@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from .checks import check_not_meta
+from .dynamo import eager
 from .group import GroupState, ParamGroup, ReduceQueue
 from .mesh import MeshInfo
 from .param import ShardedParam
@@ -22,6 +23,13 @@ from .policy import MixedPrecisionPolicy
 from .streams import CommContext
 from .trace import Phase
 from .tree import join_fqn, map_tensors, tensors
+
+# Every entry point of the runtime that torch calls (module hooks, tensor hooks, autograd Function
+# backward, the engine's final callback; register_fsdp_forward_method calls the forward hooks):
+# replaced per state by its torch.compiler.disable'd form, so that Dynamo never traces them and a
+# compiled block's forward stays one graph (dynamo.py, design/hooks.md "torch.compile").
+_EAGER_METHODS = ("_pre_forward_hook", "_post_forward_hook", "_pre_backward", "post_backward",
+                  "_root_final_callback")
 
 
 class TrainingState(enum.Enum):
@@ -34,9 +42,9 @@ class TrainingState(enum.Enum):
 class RootContext:
     """What the root shares with every state below it."""
 
-    def __init__(self, states: list[FSDPState], device: torch.device) -> None:
+    def __init__(self, states: list[FSDPState], device: torch.device, comm: CommContext | None = None) -> None:
         self.states = states
-        self.comm = CommContext(device)
+        self.comm = comm or CommContext(device)  # share_comm_ctx: one shared by several roots
         self.reduces = ReduceQueue(accelerated=self.comm.accelerated)
         self.forward_order: list[FSDPState] = []
         self.order_frozen = False
@@ -62,9 +70,12 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None  # explicit; None means implicit
         self.backward_prefetch: list[FSDPState] | None = None
         self.is_last_backward = True
+        self.shared_comm: CommContext | None = None  # share_comm_ctx before lazy init (iteration.py)
         self._modules_to_run: set[nn.Module] = set()  # list unit: members still to run this pass
         self._awaits_post_backward = False  # this pass wrapped grad-requiring inputs in _PostBackward
         self._member_params = _member_params(modules, group)  # list unit: params under each member
+        for name in _EAGER_METHODS:
+            setattr(self, name, eager(getattr(self, name)))
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook, prepend=False, with_kwargs=True)
@@ -80,7 +91,7 @@ class FSDPState:
         module = self.modules[0]
         found = list(states_under(module))
         check_not_meta(module)  # ranks made the same calls: checked at fully_shard() time (checks.py)
-        root = RootContext([state for _, state in found], self.device)
+        root = RootContext([state for _, state in found], self.device, self.shared_comm)
         for fqn, state in found:
             state.root = root
             state.is_root = state is self
@@ -287,7 +298,7 @@ class FSDPState:
         """Reduce-scatter ``group``'s grads and queue it; the root's queue decides when it finishes."""
         reduces = self._root.reduces
         if group.requires_gradient_sync:
-            reduces.make_room()  # before this group's reduce buffers are allocated
+            reduces.make_room(group)  # before this group's reduce buffers are allocated
         if group.reduce_grads(reshard_first=group.reshard_after_backward):
             reduces.push(group)
 

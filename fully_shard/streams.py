@@ -65,6 +65,7 @@ class CommContext:
         self.accelerated = device.type != "cpu"
         self.all_gather_state: tuple[torch.Tensor, Any] | None = None
         self.reduce_scatter_state: tuple[torch.Tensor, Any] | None = None
+        self.post_optim_event: Any = None  # set_post_optim_event: waited once by the next copy-in
         if self.accelerated:
             mod = torch.get_device_module(device)
             # Higher priority for the all-gather streams so the next unit's params arrive first.
@@ -105,6 +106,19 @@ class CommContext:
         elif pending.event is not None:
             self.stream(stream_name).wait_event(pending.event)
 
+    def order_copy_in(self, copy_in_stream: Any) -> None:
+        """Order an all-gather copy-in after the optimizer step that updated the shards: after the
+        compute stream, or, once, after ``set_post_optim_event``'s event only (no false dependency on
+        unrelated work queued after the step). On CPU the host already runs the step first; the event
+        (``torch.Event`` or any object with ``synchronize()`` or ``wait()``) is waited on the host."""
+        event, self.post_optim_event = self.post_optim_event, None
+        if event is None:
+            self.wait_stream(copy_in_stream, self.current_stream())
+        elif self.accelerated:
+            copy_in_stream.wait_event(event)
+        else:
+            (getattr(event, "synchronize", None) or event.wait)()
+
     def stream(self, name: str) -> Any:
         """``all_gather_copy_in`` | ``all_gather`` | ``reduce_scatter`` | ``all_reduce`` (None on CPU)."""
         return getattr(self, f"{name}_stream") if self.accelerated else None
@@ -133,6 +147,12 @@ class CommContext:
 
     def hold_reduce_scatter_input(self, buffer: torch.Tensor, event: Any) -> None:
         self.reduce_scatter_state = (buffer, event)
+
+    def discard_in_flight(self) -> None:
+        """``reset_iter_state``: drop the held buffers once the streams that read them are done."""
+        self.release_all_gather_buffer()
+        self.release_reduce_scatter_input()
+        self.post_optim_event = None
 
     def issue(self, stream_name: str, fn: Callable[[bool], dist.Work | None]) -> Pending:
         """Issue ``fn(async_op)`` on the named stream; return what to wait on before using its output.

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from . import safetensors_io as sio
+from .boxes import full_box
 from .codec import ST_TO_TORCH
 from .comm import Comm
 from .reader import _Loader, _Read
@@ -77,7 +78,7 @@ def consolidate(path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *
             for name in group:
                 entry = index.model[index.aliases.get(name, name)]
                 tensors[name] = torch.empty(entry.shape, dtype=ST_TO_TORCH[entry.dtype])
-                loader.add(reads, entry, (0, entry.rows), tensors[name])
+                loader.add(reads, entry, full_box(entry.shape), tensors[name])
                 weight_map[name] = target
                 total += entry.nbytes
             loader.run(reads)

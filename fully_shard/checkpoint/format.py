@@ -1,9 +1,9 @@
 """The checkpoint index schema: records for tensors, chunks, files and optimizer state, and their JSON.
 
 See design/checkpoint-format.md sections 2-3. A checkpoint is a directory of safetensors files plus one
-JSON index. The index lists, per logical tensor, its dtype, global shape and the chunks (rows of one
-safetensors tensor in one file) that cover its rows exactly once. Parsing and validating an index is
-validate.py's job; this module only describes, serializes and seals it (no I/O, no torch).
+JSON index. The index lists, per logical tensor, its dtype, global shape and the chunks (boxes: offsets
+and sizes in every dim, each one safetensors tensor in one file) that tile it exactly once. Parsing and
+validating an index is validate.py's job; this module only describes, serializes and seals it (no I/O, no torch).
 """
 
 from __future__ import annotations
@@ -17,11 +17,14 @@ from typing import Any
 
 import xxhash
 
+from .boxes import Box
 from .errors import CheckpointError, short
-from .rows import row_numel, rows_of
 
 FORMAT_NAME = "fully_shard-checkpoint"
-FORMAT_VERSION = 2  # 2: the index ends with its own digest; safetensors headers are deterministic
+# 2: the index ends with its own digest; safetensors headers are deterministic.
+# 3: chunks are boxes (offsets and sizes in every dim) instead of dim-0 row ranges. Version 2 is still read.
+FORMAT_VERSION = 3
+OLDEST_READABLE_VERSION = 2
 INDEX_FILE = "index.json"
 DIGEST_ALGO = "xxh3_128"
 INDEX_DIGEST_KEY = "index_digest"
@@ -49,15 +52,14 @@ def data_file_name(namespace: str, rank: int) -> str:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Rows [start, end) of one logical tensor, stored as safetensors tensor ``key`` of ``file``."""
+    """One box of a logical tensor (global offsets and sizes), stored as safetensors tensor ``key`` of ``file``."""
 
     file: str
     key: str
-    start: int
-    end: int
+    box: Box
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "key": self.key, "rows": [self.start, self.end]}
+        return {"file": self.file, "key": self.key, **self.box.to_json()}
 
 
 @dataclass(frozen=True)
@@ -67,20 +69,12 @@ class TensorEntry:
     chunks: tuple[Chunk, ...]
 
     @property
-    def rows(self) -> int:
-        return rows_of(self.shape)
-
-    @property
-    def row_numel(self) -> int:
-        return row_numel(self.shape)
-
-    @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
 
     def chunk_shape(self, chunk: Chunk) -> tuple[int, ...]:
-        """Shape of the safetensors tensor that stores ``chunk``."""
-        return () if not self.shape else (chunk.end - chunk.start, *self.shape[1:])
+        """Shape of the safetensors tensor that stores ``chunk``: the box's sizes."""
+        return chunk.box.sizes
 
     def to_json(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "shape": list(self.shape), "chunks": [c.to_json() for c in self.chunks]}

@@ -8,7 +8,7 @@ Phases (each runs inside ``comm.phase``, so bad input raises the same error on e
 2. verifying and decoding: headers, each file's own records against the index, digests of this rank's
    share; optimizer state and ``extra`` tensors read into fresh memory, ``extra`` and hyperparameters
    decoded, the optimizer's state dict built and checked, still without touching model or optimizer.
-3. applying: each rank's rows copied into its local shards (only an I/O error can fail here), then
+3. applying: each rank's blocks copied into its local shards (only an I/O error can fail here), then
    ``Optimizer.load_state_dict`` of the dict built in 2.
 """
 
@@ -26,13 +26,13 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import format as fmt
+from .boxes import Box, full_box, overlaps
 from .codec import ST_TO_TORCH, Encoded, decode, tensor_refs
 from .comm import Comm
 from .errors import CheckpointError, Signature, check_structure
-from .rows import overlaps
 from .snapshot import Snapshot, Vanished
 from .state_dict import torch_optimizer_state
-from .views import from_local_like, held_like, model_views, optimizer_params, state_is_sharded
+from .views import box_of, from_local_like, model_views, optimizer_params, state_is_sharded
 from .writer import wait_pending
 
 _OPEN_ATTEMPTS = 3  # a writer may delete the generation we opened before we opened its files
@@ -42,8 +42,8 @@ _OPEN_ATTEMPTS = 3  # a writer may delete the generation we opened before we ope
 class _Read:
     file: str
     key: str
-    src: tuple[int, int]  # rows of the stored chunk tensor
-    dst: torch.Tensor  # where they go (a view of the target)
+    src: Box  # the part of the stored chunk tensor, relative to the chunk
+    dst: torch.Tensor  # where it goes (a view of the target)
 
 
 @dataclass
@@ -75,11 +75,10 @@ class _Loader:
     def where(self) -> str:
         return os.path.join(self.snap.path, fmt.INDEX_FILE)
 
-    def add(self, reads: list[_Read], entry: fmt.TensorEntry, held: tuple[int, int], dst: torch.Tensor) -> None:
-        scalar = not entry.shape
-        for chunk, s, e in overlaps(entry.chunks, *held):
-            view = dst if scalar else dst[s - held[0]: e - held[0]]
-            reads.append(_Read(chunk.file, chunk.key, (s - chunk.start, e - chunk.start), view))
+    def add(self, reads: list[_Read], entry: fmt.TensorEntry, held: Box, dst: torch.Tensor) -> None:
+        """Plan reading box ``held`` of ``entry`` into ``dst``: only the stored parts that overlap it."""
+        for chunk, part in overlaps(entry.chunks, held):
+            reads.append(_Read(chunk.file, chunk.key, part.relative_to(chunk.box), dst[part.slices(held)]))
 
     def plan_model(self, model: nn.Module, strict: bool) -> None:
         views, aliases = model_views(model)
@@ -120,11 +119,10 @@ class _Loader:
                     continue
                 sharded = state_is_sharded(p, name, value.shape, (fqn, name) in saved.sharded, existing.get(name))
                 if sharded and isinstance(p, DTensor) and value.shape:
-                    held, device = held_like(p, value.shape), p.to_local().device
+                    held, device = box_of(fmt.optim_name(fqn, name), p, value.shape), p.to_local().device
                 else:
-                    held, device = (0, value.rows), torch.device("cpu")
-                local_shape = value.shape if not value.shape else (held[1] - held[0], *value.shape[1:])
-                local = torch.empty(local_shape, dtype=ST_TO_TORCH[value.dtype], device=device)
+                    held, device = full_box(value.shape), torch.device("cpu")
+                local = torch.empty(held.sizes, dtype=ST_TO_TORCH[value.dtype], device=device)
                 self.optim_locals[(fqn, name)] = _OptimLocal(local, p, sharded and isinstance(p, DTensor), value.shape)
                 self.add(self.side_reads, value, held, local)
 
@@ -149,7 +147,7 @@ class _Loader:
                                           "'blobs'; fix: the index is damaged")
                 if name not in self.blobs:
                     self.blobs[name] = torch.empty(entry.shape, dtype=ST_TO_TORCH[entry.dtype])
-                    self.add(self.side_reads, entry, (0, entry.rows), self.blobs[name])
+                    self.add(self.side_reads, entry, full_box(entry.shape), self.blobs[name])
 
     def extra_tree(self) -> Encoded:
         index = self.index
@@ -180,7 +178,7 @@ class _Loader:
                 f = self.snap.files[name]
                 try:
                     for r in file_reads:
-                        f.read_rows(r.key, r.src[0], r.src[1], r.dst)
+                        f.read_box(r.key, r.src, r.dst)
                 except CheckpointError:
                     raise
                 except Exception as e:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from . import format as fmt
+from .boxes import Box
 from .codec import Encoded
 from .errors import CheckpointError, Signature
 from .safetensors_io import WrittenFile
@@ -21,12 +22,11 @@ from .safetensors_io import WrittenFile
 
 @dataclass(frozen=True)
 class ChunkRecord:
-    """Rows [start, end) of one logical tensor that a rank wrote, under the key ``name`` of its data file."""
+    """One box of a logical tensor that a rank wrote, under the key ``name`` of its data file."""
 
     namespace: str
     name: str
-    start: int
-    end: int
+    box: Box
     dtype: str
     shape: tuple[int, ...]
 
@@ -35,13 +35,13 @@ class ChunkRecord:
         return self.dtype, self.shape
 
     def to_json(self) -> dict[str, Any]:
-        return {"ns": self.namespace, "name": self.name, "rows": [self.start, self.end], "dtype": self.dtype,
+        return {"ns": self.namespace, "name": self.name, **self.box.to_json(), "dtype": self.dtype,
                 "shape": list(self.shape)}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> ChunkRecord:
-        start, end = doc["rows"]
-        return cls(doc["ns"], doc["name"], int(start), int(end), doc["dtype"], tuple(doc["shape"]))
+        box = Box(tuple(int(o) for o in doc["offsets"]), tuple(int(s) for s in doc["sizes"]))
+        return cls(doc["ns"], doc["name"], box, doc["dtype"], tuple(doc["shape"]))
 
 
 @dataclass(frozen=True)
@@ -105,10 +105,10 @@ def assemble_index(world: int, skeleton: Skeleton, reports: Sequence[RankReport]
                 raise CheckpointError(f"{c.namespace} tensor {c.name!r} is {c.signature} on rank {rank} but "
                                       f"{sigs[key]} on rank 0; fix: every rank must hold the same global shapes and "
                                       "dtypes")
-            chunks[key].append(fmt.Chunk(fmt.data_file_name(c.namespace, rank), c.name, c.start, c.end))
+            chunks[key].append(fmt.Chunk(fmt.data_file_name(c.namespace, rank), c.name, c.box))
 
     def entry(key: tuple[str, str]) -> fmt.TensorEntry:
-        return fmt.TensorEntry(sigs[key][0], sigs[key][1], tuple(sorted(chunks[key], key=lambda c: c.start)))
+        return fmt.TensorEntry(sigs[key][0], sigs[key][1], tuple(sorted(chunks[key], key=lambda c: c.box.offsets)))
 
     model = {n: entry(("model", n)) for n in skeleton.model}
     optimizer = None

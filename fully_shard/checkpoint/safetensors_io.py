@@ -21,6 +21,7 @@ import torch
 import xxhash
 
 from . import format as fmt
+from .boxes import Box, runs
 from .codec import st_dtype
 from .errors import CheckpointError
 from .validate import loads_strict
@@ -231,14 +232,22 @@ class DataFile:
             offset += n
         return h.hexdigest()
 
-    def read_rows(self, key: str, start: int, end: int, dst: torch.Tensor) -> None:
-        """Copy rows [start, end) of stored tensor ``key`` (a 0-dim tensor: its one value) into ``dst``."""
+    def read_box(self, key: str, part: Box, dst: torch.Tensor) -> None:
+        """Copy ``part`` (indices relative to stored tensor ``key``) into ``dst`` (of ``part.sizes``).
+
+        Reads exactly the bytes of ``part``: one ``pread`` per contiguous run (boxes.runs), so a block of
+        whole rows is one read and a column block one read per row.
+        """
         dtype, shape, begin, _ = self.header().tensors[key]
-        row_bytes = fmt.DTYPE_SIZES[dtype] * math.prod(shape[1:]) if shape else fmt.DTYPE_SIZES[dtype]
+        item = fmt.DTYPE_SIZES[dtype]
+        run, starts = runs(shape, part)
         staged = dst if dst.device.type == "cpu" and dst.is_contiguous() else torch.empty(
             dst.shape, dtype=dst.dtype)
         if staged.numel():
-            self.read_into(tensor_bytes(staged).cast("B"), begin + start * row_bytes)
+            buf = tensor_bytes(staged).cast("B")
+            step = run * item
+            for i, start in enumerate(starts):
+                self.read_into(buf[i * step:(i + 1) * step], begin + start * item)
             if sys.byteorder != "little" and staged.element_size() > 1:
                 staged.copy_(_little_endian(staged))  # the same byte swap, undone
         if staged is not dst:
@@ -247,31 +256,40 @@ class DataFile:
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """What a data file records about one of its tensors: which logical tensor, and which rows of it."""
+    """What a data file records about one of its tensors: which logical tensor, and where its box starts."""
 
     fqn: str
     state: str | None  # optimizer state name, None for model and extra tensors
     global_shape: tuple[int, ...]
-    row_offset: int
+    offsets: tuple[int, ...]  # the chunk's global offset in every dim
 
     def to_json(self) -> dict[str, Any]:
         return {"fqn": self.fqn, "state": self.state, "global_shape": list(self.global_shape),
-                "row_offset": self.row_offset}
+                "offsets": list(self.offsets)}
 
     @classmethod
     def from_json(cls, doc: Any) -> TensorMeta | None:
-        """None if ``doc`` is not a well-formed record."""
-        if not isinstance(doc, dict) or set(doc) != {"fqn", "state", "global_shape", "row_offset"}:
+        """None if ``doc`` is not a well-formed record (format 3, or format 2's ``row_offset``)."""
+        if not isinstance(doc, dict) or set(doc) not in ({"fqn", "state", "global_shape", "offsets"},
+                                                         {"fqn", "state", "global_shape", "row_offset"}):
             return None
-        shape, offset = doc["global_shape"], doc["row_offset"]
+        shape = doc["global_shape"]
         if not isinstance(doc["fqn"], str) or not isinstance(doc["state"], (str, type(None))) \
-                or not isinstance(shape, list) or not all(type(s) is int for s in shape) or type(offset) is not int:
+                or not isinstance(shape, list) or not all(type(s) is int for s in shape):
             return None
-        return cls(doc["fqn"], doc["state"], tuple(shape), offset)
+        if "row_offset" in doc:  # format 2: chunks were dim-0 row ranges
+            if type(doc["row_offset"]) is not int:
+                return None
+            offsets = [doc["row_offset"], *([0] * (len(shape) - 1))] if shape else []
+        else:
+            offsets = doc["offsets"]
+            if not isinstance(offsets, list) or not all(type(o) is int for o in offsets):
+                return None
+        return cls(doc["fqn"], doc["state"], tuple(shape), tuple(offsets))
 
 
 def file_metadata(namespace: str, rank: int, world: int, tensors: Mapping[str, TensorMeta]) -> dict[str, str]:
-    """safetensors ``__metadata__``: format, version, namespace, rank and per-tensor fqn/global shape/offset."""
+    """safetensors ``__metadata__``: format, version, namespace, rank and per-tensor fqn/global shape/offsets."""
     described = {key: meta.to_json() for key, meta in tensors.items()}
     return {"format": fmt.FORMAT_NAME, "format_version": str(fmt.FORMAT_VERSION), "namespace": namespace,
             "rank": str(rank), "world_size": str(world),

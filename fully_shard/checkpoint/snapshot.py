@@ -93,11 +93,11 @@ class Snapshot:
         out: dict[str, list[Stored]] = defaultdict(list)
         for ns, name, entry, fqn, state in _logical(self.index):
             for c in entry.chunks:
-                out[c.file].append(Stored(ns, name, entry, c, TensorMeta(fqn, state, entry.shape, c.start)))
+                out[c.file].append(Stored(ns, name, entry, c, TensorMeta(fqn, state, entry.shape, c.box.offsets)))
         return out
 
     def check(self, name: str, stored: list[Stored]) -> None:
-        """A file's header and its own records (namespace, rank, per-tensor FQN, global shape, row offset)
+        """A file's header and its own records (namespace, rank, per-tensor FQN, global shape, offsets)
         against what the index says it holds: a swapped, foreign or mixed file is caught even when the
         index's digests were recomputed to match it."""
         f = self.files[name]
@@ -122,7 +122,7 @@ class Snapshot:
             dtype, shape, _, _ = header.tensors[s.chunk.key]
             meta = TensorMeta.from_json(records[s.chunk.key])
             if (dtype, shape) != (s.entry.dtype, s.entry.chunk_shape(s.chunk)) or meta != s.meta:
-                raise f.bad(f"tensor {s.chunk.key!r} (rows {s.chunk.start}:{s.chunk.end} of {s.name!r}) should be "
+                raise f.bad(f"tensor {s.chunk.key!r} (offsets {list(s.chunk.box.offsets)} of {s.name!r}) should be "
                             f"{s.entry.dtype}{list(s.entry.chunk_shape(s.chunk))} recorded as {s.meta.to_json()}, "
                             f"found {dtype}{list(shape)} recorded as {records[s.chunk.key]}; the file does not "
                             "belong to this index (mixed checkpoints?) or is damaged")

@@ -119,7 +119,7 @@ def _copy_into(view: View, value: torch.Tensor) -> None:
             view.local.copy_(value.to_local())
             return
         value = value.full_tensor()
-    view.local.copy_(value if not view.shape else value[view.held[0]: view.held[1]])
+    view.local.copy_(value[view.held.slices()])
 
 
 def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool = False,

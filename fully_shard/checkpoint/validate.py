@@ -15,6 +15,8 @@ from typing import Any
 
 import xxhash
 
+from .boxes import Box
+from .boxes import coverage_problem as box_coverage_problem
 from .errors import CheckpointError, short
 from .format import (
     DIGEST_ALGO,
@@ -24,6 +26,7 @@ from .format import (
     FORMAT_VERSION,
     INDEX_DIGEST_KEY,
     MAX_INDEX_BYTES,
+    OLDEST_READABLE_VERSION,
     SEAL_RE,
     Chunk,
     FileEntry,
@@ -126,6 +129,7 @@ class IndexParser:
 
     def __init__(self, source: str) -> None:
         self.source = source
+        self.version = FORMAT_VERSION
 
     def fail(self, where: str, problem: str, fix: str = "the checkpoint is damaged or was not written "
              "by fully_shard; re-save it or load an earlier checkpoint") -> CheckpointError:
@@ -156,9 +160,11 @@ class IndexParser:
         if version > FORMAT_VERSION:
             raise self.fail("version", f"written in format version {version}, but this fully_shard reads "
                             f"versions up to {FORMAT_VERSION}", "upgrade fully_shard to load it")
-        if version < FORMAT_VERSION:
+        if version < OLDEST_READABLE_VERSION:
             raise self.fail("version", f"format version {version} predates the index digest (a development "
-                            f"version); this fully_shard reads version {FORMAT_VERSION}", "re-save the checkpoint")
+                            f"version); this fully_shard reads versions {OLDEST_READABLE_VERSION} to "
+                            f"{FORMAT_VERSION}", "re-save the checkpoint")
+        self.version = version
         algo = self.get(doc, "digest", str, "index")
         if algo != DIGEST_ALGO:
             raise self.fail("digest", f"expected {DIGEST_ALGO!r}, found {algo!r}")
@@ -240,17 +246,33 @@ class IndexParser:
             cw = f"{where}.chunks[{i}]"
             file = self.get(c, "file", str, cw)
             key = self.get(c, "key", str, cw)
-            rows = self.get(c, "rows", list, cw)
             if file not in files:
                 check_file_name(file, f"{self.source}: {cw}.file")
                 raise self.fail(f"{cw}.file", f"{file!r} is not listed under 'files'")
-            if len(rows) != 2 or not all(isinstance(r, int) and not isinstance(r, bool) for r in rows):
-                raise self.fail(f"{cw}.rows", f"expected [start, end], found {short(rows)}")
-            chunks.append(Chunk(file, key, rows[0], rows[1]))
-        problem = coverage_problem(rows_of(shape), chunks)
+            chunks.append(Chunk(file, key, self.box(c, cw, shape)))
+        if self.version == 2:  # row ranges, checked as such (a tensor of shape (5, 0) has chunks of 0 bytes)
+            spans = [(c.box.offsets[0], c.box.ends[0]) if shape else (0, 1) for c in chunks]
+            problem = coverage_problem(rows_of(shape), spans)
+        else:
+            problem = box_coverage_problem(shape, [c.box for c in chunks])
         if problem:
             raise self.fail(f"{where}.chunks", problem)
-        return TensorEntry(dtype, shape, tuple(sorted(chunks, key=lambda c: c.start)))
+        return TensorEntry(dtype, shape, tuple(sorted(chunks, key=lambda c: c.box.offsets)))
+
+    def box(self, c: dict[str, Any], where: str, shape: tuple[int, ...]) -> Box:
+        """A chunk's box: format 3 ``offsets`` + ``sizes``, format 2 ``rows`` (whole rows of dim 0)."""
+        def ints(name: str, n: int) -> list[int]:
+            value = self.get(c, name, list, where)
+            if len(value) != n or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                raise self.fail(f"{where}.{name}", f"expected {n} integers (one per dim of shape {list(shape)}), "
+                                f"found {short(value)}")
+            return value
+        if self.version == 2:
+            start, end = ints("rows", 2)
+            if not shape:
+                return Box((), ())
+            return Box((start, *([0] * (len(shape) - 1))), (end - start, *shape[1:]))
+        return Box(tuple(ints("offsets", len(shape))), tuple(ints("sizes", len(shape))))
 
     def check_keys_unique(self, model: dict[str, TensorEntry], optimizer: OptimEntry | None,
                           blobs: dict[str, TensorEntry]) -> None:

@@ -1,9 +1,11 @@
-"""Views: where each model/optimizer tensor's global rows live on this rank, as the writer and reader see them.
+"""Views: which block of each model/optimizer tensor this rank holds and writes, as the writer and reader see them.
 
 A View is one logical tensor (a state_dict entry or an optimizer state tensor) with its global
-signature, the rows this rank holds and the rows it writes (rows.held_rows / rows.write_rows). Also
-the FQN bookkeeping shared by the state-dict API and the checkpoint: which parameter of the model each
-optimizer parameter is, and how optimizer state tensors are laid out like their parameter.
+signature, the box this rank holds and the box it writes (boxes.held_box / boxes.write_box), for any
+DTensor this library produces: ``Shard(d)``, ``_StridedShard(d, sf)`` and ``Replicate()`` on meshes
+of any rank. Also the FQN bookkeeping shared by the state-dict API and the checkpoint: which parameter
+of the model each optimizer parameter is, and how optimizer state tensors are laid out like their
+parameter.
 """
 
 from __future__ import annotations
@@ -16,73 +18,143 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..module import FSDPModule
-from . import rows
+from . import boxes
+from .boxes import Box
 from .codec import st_dtype
 from .errors import CheckpointError
+
+try:  # torch's FSDP+TP placement; private in torch (no public name exists), needed only to recognise it
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - older torch
+    _StridedShard = None  # type: ignore[assignment,misc]
 
 
 @dataclass
 class View:
-    """One logical tensor as seen by this rank: its global signature and the rows it holds/writes."""
+    """One logical tensor as seen by this rank: its global signature and the boxes it holds/writes."""
 
     name: str
     tensor: torch.Tensor  # as held by the model/optimizer (DTensor or plain)
-    local: torch.Tensor  # this rank's held rows, a plain tensor sharing storage with ``tensor``
+    local: torch.Tensor  # this rank's held box, a plain tensor sharing storage with ``tensor``
     dtype: str
     shape: tuple[int, ...]
-    held: tuple[int, int]
-    write: tuple[int, int] | None  # rows this rank writes; None: written whole by one assigned rank
+    held: Box
+    write: Box | None  # the part this rank writes (None: nothing); plain tensors: see ``whole``
+    whole: bool = False  # a plain tensor: written whole by one assigned rank
 
     @property
     def sharded(self) -> bool:
         return isinstance(self.tensor, DTensor)
 
-    def rows(self, start: int, end: int) -> torch.Tensor:
-        """The held rows [start, end) (global indices) as a view of ``local``."""
-        if not self.shape:
-            return self.local
-        return self.local[start - self.held[0]: end - self.held[0]]
+    def block(self, box: Box) -> torch.Tensor:
+        """The held part ``box`` (global indices) as a view of ``local``."""
+        return self.local[box.slices(self.held)]
 
 
-def _placements(name: str, tensor: DTensor) -> list[str]:
+def placements_of(name: str, tensor: DTensor) -> list[boxes.Placement]:
+    """The DTensor's placements as plain data; Partial and unknown placements are refused."""
     out = []
     for p in tensor.placements:
-        if type(p) is Shard and p.dim == 0 and tensor.ndim > 0:
-            out.append(rows.SHARD)
+        if _StridedShard is not None and isinstance(p, _StridedShard):
+            out.append(boxes.strided(p.dim, int(p.split_factor)))
+        elif type(p) is Shard:
+            out.append(boxes.shard(p.dim))
         elif isinstance(p, Replicate):
-            out.append(rows.REPLICATE)
+            out.append(boxes.replicate())
         else:
             raise CheckpointError(
                 f"{name}: DTensor placement {p} (all placements {tuple(tensor.placements)}) is not supported; "
-                "checkpoints handle Shard(0) and Replicate() placements (fully_shard's default); fix: shard "
-                "this unit without a shard_placement_fn that picks another dim, or redistribute the tensor to "
-                "Shard(0)/Replicate() before saving")
+                "checkpoints store Shard(d), _StridedShard(d) and Replicate() placements; fix: redistribute the "
+                "tensor (a Partial one: reduce it, e.g. tensor.redistribute(placements=[Replicate()])) before saving")
     return out
 
 
+def box_of(name: str, tensor: DTensor, shape: tuple[int, ...] | None = None) -> Box:
+    """The box of a tensor of global ``shape`` (default: ``tensor``'s) this rank holds when laid out like ``tensor``."""
+    mesh = tensor.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise CheckpointError(f"{name}: this rank is not part of the tensor's device mesh {mesh}; fix: call "
+                              "checkpoint functions on the ranks of the model's mesh")
+    shape = tuple(tensor.shape) if shape is None else shape
+    try:
+        return boxes.held_box(shape, tuple(mesh.shape), coord, placements_of(name, tensor))
+    except (boxes.NotABox, ValueError) as e:
+        raise CheckpointError(f"{name}: placements {tuple(tensor.placements)} on mesh {tuple(mesh.shape)} give this "
+                              f"rank a local shard that is not one block of the global tensor ({e}); checkpoints "
+                              "store one block per rank; fix: redistribute the tensor before saving") from None
+
+
 def describe(name: str, tensor: torch.Tensor) -> View:
-    """Where ``tensor``'s rows live on this rank. Plain tensors are held whole by every rank."""
+    """Where ``tensor``'s elements live on this rank. Plain tensors are held whole by every rank."""
     dtype = st_dtype(tensor.dtype, name)
     shape = tuple(tensor.shape)
     if isinstance(tensor, DTensor):
         mesh = tensor.device_mesh
+        held = box_of(name, tensor)
         coord = mesh.get_coordinate()
-        if coord is None:
-            raise CheckpointError(f"{name}: this rank is not part of the tensor's device mesh {mesh}; fix: call "
-                                  "checkpoint functions on the ranks of the model's mesh")
-        placements = _placements(name, tensor)
-        mesh_shape = tuple(mesh.shape)
-        held = rows.held_rows(shape, mesh_shape, coord, placements)
-        write = rows.write_rows(shape, mesh_shape, coord, placements)
+        assert coord is not None  # box_of checked it
+        write = boxes.write_box(shape, tuple(mesh.shape), coord, placements_of(name, tensor))
         local = tensor.to_local()
-        expected = () if not shape else (held[1] - held[0], *shape[1:])
-        if tuple(local.shape) != expected:
+        if tuple(local.shape) != held.sizes:
             raise CheckpointError(
-                f"{name}: local shard has shape {tuple(local.shape)}, but a torch.chunk Shard(0) layout of global "
-                f"shape {shape} on mesh {mesh_shape} at {tuple(coord)} gives {expected}; fix: shard with "
-                "torch.chunk semantics (unpadded local shards)")
+                f"{name}: local shard has shape {tuple(local.shape)}, but placements {tuple(tensor.placements)} of "
+                f"global shape {shape} on mesh {tuple(mesh.shape)} at {tuple(coord)} give {held.sizes} (torch.chunk "
+                "semantics); fix: shard with torch.chunk semantics (unpadded local shards)")
         return View(name, tensor, local, dtype, shape, held, write)
-    return View(name, tensor, tensor.detach(), dtype, shape, (0, rows.rows_of(shape)), None)
+    box = boxes.full_box(shape)
+    return View(name, tensor, tensor.detach(), dtype, shape, box, box if box.numel else None, whole=True)
+
+
+MeshKey = tuple[tuple[int, ...], tuple[int, ...]]  # (mesh shape, its global ranks in order)
+
+
+def _mesh_key(mesh: Any) -> MeshKey:
+    return tuple(mesh.shape), tuple(int(r) for r in mesh.mesh.flatten().tolist())
+
+
+def mesh_roles(views: list[View]) -> dict[str, Any]:
+    """This rank's meshes, numbered by first use, and which one each DTensor view uses (exchanged at save).
+
+    A DTensor on a sub-mesh (torch's FSDP + TP puts non-TP parameters on the dp mesh alone) is held by
+    every copy of that mesh, the copies differing on the axes the mesh leaves out: those ranks are
+    replicas the placements do not show (``split_writes``)."""
+    keys: dict[MeshKey, int] = {}
+    uses = []
+    for v in views:
+        if isinstance(v.tensor, DTensor):
+            uses.append(keys.setdefault(_mesh_key(v.tensor.device_mesh), len(keys)))
+    return {"meshes": [list(k[1]) for k in keys], "uses": uses}
+
+
+def split_writes(views: list[View], roles: list[dict[str, Any]], rank: int) -> None:
+    """Share each DTensor's writing among all ranks that hold its box, copies of a sub-mesh included.
+
+    ``roles``: every rank's ``mesh_roles``. Mesh number k plays the same part on every rank (the model
+    code is the same); the distinct rank lists of mesh k are its copies, which must be disjoint.
+    """
+    if any(r["uses"] != roles[rank]["uses"] for r in roles):
+        bad = [i for i, r in enumerate(roles) if r["uses"] != roles[0]["uses"]]
+        raise CheckpointError(f"the model's DTensors use their device meshes differently on rank(s) {bad} than on "
+                              "rank 0; fix: build the model and its meshes the same way on every rank")
+    copies: dict[int, tuple[int, int]] = {}
+    for k, mine in enumerate(roles[rank]["meshes"]):
+        lists = sorted({tuple(r["meshes"][k]) for r in roles})
+        if len({x for ranks in lists for x in ranks}) != sum(len(ranks) for ranks in lists):
+            raise CheckpointError(f"device mesh {k} of the model's DTensors has overlapping copies {lists[:4]} across "
+                                  "ranks; fix: build the meshes the same way on every rank (init_device_mesh and its "
+                                  "sub-meshes)")
+        copies[k] = (len(lists), lists.index(tuple(mine)))
+    uses = iter(roles[rank]["uses"])
+    for v in views:
+        if isinstance(v.tensor, DTensor):
+            n, i = copies[next(uses)]
+            if n > 1:
+                mesh = v.tensor.device_mesh
+                coord = mesh.get_coordinate()
+                assert coord is not None
+                v.write = boxes.write_box(v.shape, (n, *mesh.shape), (i, *coord),
+                                          [boxes.replicate(), *placements_of(v.name, v.tensor)])
 
 
 def ensure_sharded(model: nn.Module) -> None:
@@ -154,20 +226,12 @@ def state_is_sharded(param: torch.Tensor, name: str, shape: tuple[int, ...], sav
 
 
 def shard_like(param: DTensor, full: torch.Tensor) -> DTensor:
-    """Cut this rank's rows of ``full`` (a plain tensor of param's global shape) into a DTensor like ``param``."""
+    """Cut this rank's box of ``full`` (a plain tensor of param's global shape) into a DTensor like ``param``."""
     view = describe("param", param)
-    local = full if not view.shape else full[view.held[0]: view.held[1]]
+    local = full[view.held.slices()]
     local = local.detach().to(device=view.local.device, copy=True).contiguous()  # never alias the caller's
     return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                               shape=param.shape, stride=param.stride())
-
-
-def held_like(param: DTensor, shape: tuple[int, ...]) -> tuple[int, int]:
-    """Rows of a tensor of global ``shape`` this rank holds when laid out like ``param``."""
-    coord = param.device_mesh.get_coordinate()
-    if coord is None:
-        raise CheckpointError("this rank is not part of the parameter's device mesh")
-    return rows.held_rows(shape, tuple(param.device_mesh.shape), coord, _placements("param", param))
 
 
 def from_local_like(param: DTensor, local: torch.Tensor, shape: tuple[int, ...]) -> DTensor:

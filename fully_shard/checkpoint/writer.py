@@ -1,9 +1,9 @@
-"""checkpoint.save: every rank writes its own rows once; rank 0 writes the index last and commits atomically.
+"""checkpoint.save: every rank writes its own blocks once; rank 0 writes the index last and commits atomically.
 
 Phases (each runs inside ``comm.phase``, so a failure on one rank raises on all and never hangs):
-1. preparing: views of model/optimizer tensors, rows each rank writes, extra state encoding;
+1. preparing: views of model/optimizer tensors, the box each rank writes, extra state encoding;
    rank 0 recovers any interrupted commit of ``path`` and creates the temporary sibling directory.
-2. staging: each rank's rows (and extra tensors) gathered for writing; with ``async_save`` copied to
+2. staging: each rank's boxes (and extra tensors) gathered for writing; with ``async_save`` copied to
    host memory so training can go on.
 3. writing: each rank writes ``{model,optim,extra}-rankNNNNN.safetensors`` (fsynced, digested); with
    ``async_save`` a background thread does this and ``SaveHandle.wait`` runs the rest.
@@ -29,12 +29,13 @@ from . import commit as commit_dir
 from . import format as fmt
 from . import rows as row_math
 from . import safetensors_io as sio
+from .boxes import Box, full_box
 from .codec import Encoded, Encoder, st_dtype
 from .comm import Comm
 from .errors import CheckpointError, Signature
 from .records import ChunkRecord, OptimSkeleton, RankReport, Skeleton, assemble_index
 from .validate import parse_index
-from .views import View, describe, group_hyper, model_views, optimizer_params
+from .views import View, describe, group_hyper, mesh_roles, model_views, optimizer_params, split_writes
 
 _PENDING: list[SaveHandle] = []
 
@@ -66,11 +67,11 @@ class _Plan:
     extra: Encoded = None
     extra_digest: str = ""
 
-    def add(self, namespace: str, name: str, data: torch.Tensor, rows: tuple[int, int], dtype: str,
+    def add(self, namespace: str, name: str, data: torch.Tensor, box: Box, dtype: str,
             shape: tuple[int, ...], fqn: str, state: str | None) -> None:
         self.staged.setdefault(namespace, {})[name] = data
-        self.meta.setdefault(namespace, {})[name] = sio.TensorMeta(fqn, state, shape, rows[0])
-        self.chunks.append(ChunkRecord(namespace, name, rows[0], rows[1], dtype, shape))
+        self.meta.setdefault(namespace, {})[name] = sio.TensorMeta(fqn, state, shape, box.offsets)
+        self.chunks.append(ChunkRecord(namespace, name, box, dtype, shape))
 
 
 def _signature(view: View) -> Signature:
@@ -116,16 +117,16 @@ def _describe(model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: 
 def _stage(comm: Comm, items: list[_Item], plan: _Plan, shared: Encoder, extra: Encoded, uniform_extra: bool,
            copy: bool) -> None:
     whole = {f"{it.namespace}:{it.view.name}": it.view.local.numel() * it.view.local.element_size()
-             for it in items if it.view.write is None}
+             for it in items if it.view.whole}
     owner = row_math.assign_whole(whole, comm.world)
     for it in items:
         view = it.view
-        rows = view.write
-        if rows is None:
-            rows = (0, row_math.rows_of(view.shape)) if owner[f"{it.namespace}:{view.name}"] == comm.rank else None
-        if rows is None or rows[0] == rows[1]:
+        box = view.write
+        if view.whole and owner[f"{it.namespace}:{view.name}"] != comm.rank:
+            box = None
+        if box is None:
             continue
-        plan.add(it.namespace, view.name, _host(view.rows(*rows), copy), rows, view.dtype, view.shape, it.fqn,
+        plan.add(it.namespace, view.name, _host(view.block(box), copy), box, view.dtype, view.shape, it.fqn,
                  it.state)
     blobs: dict[str, torch.Tensor] = {}
     if comm.rank == 0:
@@ -137,8 +138,8 @@ def _stage(comm: Comm, items: list[_Item], plan: _Plan, shared: Encoder, extra: 
         blobs.update(extra_enc.tensors)
     for name, t in blobs.items():
         shape = tuple(t.shape)
-        plan.add("extra", name, _host(t, True), (0, row_math.rows_of(shape)), st_dtype(t.dtype, name), shape, name,
-                 None)
+        if t.numel():
+            plan.add("extra", name, _host(t, True), full_box(shape), st_dtype(t.dtype, name), shape, name, None)
 
 
 def _host(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
@@ -241,11 +242,14 @@ def save(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.
             nonce = _prepare_directory(path)
     nonce = comm.broadcast_json(nonce, what=what)
     target = _Target(path, commit_dir.tmp_dir(path, nonce), nonce, keep_last)
-    uniform = len(set(comm.all_gather_json(plan.extra_digest, what=what))) == 1
+    views = [it.view for it in items]
+    gathered = comm.all_gather_json({"extra": plan.extra_digest, "meshes": mesh_roles(views)}, what=what)
+    uniform = len({g["extra"] for g in gathered}) == 1
     with comm.phase(f"{what}: staging", on_error=lambda: _remove_on_rank0(comm, target.tmp)):
         if not os.path.isdir(target.tmp):
             raise CheckpointError(f"rank {comm.rank} cannot see the directory {target.tmp} that rank 0 created; "
                                   "fix: save to a path on a filesystem shared by all ranks")
+        split_writes(views, [g["meshes"] for g in gathered], comm.rank)
         _stage(comm, items, plan, shared, extra, uniform, copy=async_save)
     if torch.cuda.is_available():
         torch.cuda.synchronize()

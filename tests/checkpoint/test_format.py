@@ -12,9 +12,9 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fully_shard.checkpoint import boxes, validate
 from fully_shard.checkpoint import format as fmt
 from fully_shard.checkpoint import rows as row_math
-from fully_shard.checkpoint import validate
 from fully_shard.checkpoint.codec import Encoder, decode, tensor_refs
 from fully_shard.checkpoint.commit import series_key
 from fully_shard.checkpoint.consolidate import plan_output_shards
@@ -30,96 +30,97 @@ shapes = st.one_of(
     st.tuples(st.integers(0, 23), st.integers(0, 4)),
     st.tuples(st.integers(0, 9), st.integers(1, 3), st.integers(1, 2)),
 )
+S0, R = boxes.shard(0), boxes.replicate()
 # A mesh: 1-D (shard), 2-D HSDP (replicate, shard), 2-D all-replicate, or 1-D replicate.
 meshes = st.one_of(
-    st.tuples(st.integers(1, 7)).map(lambda s: (s, (row_math.SHARD,))),
-    st.tuples(st.integers(1, 3), st.integers(1, 4)).map(lambda s: (s, (row_math.REPLICATE, row_math.SHARD))),
-    st.tuples(st.integers(1, 3), st.integers(1, 3)).map(lambda s: (s, (row_math.SHARD, row_math.SHARD))),
-    st.tuples(st.integers(1, 4)).map(lambda s: (s, (row_math.REPLICATE,))),
+    st.tuples(st.integers(1, 7)).map(lambda s: (s, (S0,))),
+    st.tuples(st.integers(1, 3), st.integers(1, 4)).map(lambda s: (s, (R, S0))),
+    st.tuples(st.integers(1, 3), st.integers(1, 3)).map(lambda s: (s, (S0, S0))),
+    st.tuples(st.integers(1, 4)).map(lambda s: (s, (R,))),
 )
+Mesh = tuple[tuple[int, ...], tuple[boxes.Placement, ...]]
 
 
 def coords(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     return [tuple(int(i) for i in c) for c in np.ndindex(*mesh_shape)]
 
 
-def placements_for(shape: tuple[int, ...], placements: tuple[str, ...]) -> tuple[str, ...]:
+def placements_for(shape: tuple[int, ...], placements: tuple[boxes.Placement, ...]) -> tuple[boxes.Placement, ...]:
     """0-dim tensors cannot be sharded: fully_shard replicates them."""
-    return placements if shape else tuple(row_math.REPLICATE for _ in placements)
+    return placements if shape else tuple(R for _ in placements)
 
 
-def save_chunks(shape: tuple[int, ...], mesh: tuple[tuple[int, ...], tuple[str, ...]]) -> list[Chunk]:
+def save_chunks(shape: tuple[int, ...], mesh: Mesh) -> list[Chunk]:
     mesh_shape, placements = mesh
     placements = placements_for(shape, placements)
     chunks = []
     for i, c in enumerate(coords(mesh_shape)):
-        s, e = row_math.write_rows(shape, mesh_shape, c, placements)
-        if s < e:
-            chunks.append(Chunk(f"model-rank{i:05d}.safetensors", "w", s, e))
+        box = boxes.write_box(shape, mesh_shape, c, placements)
+        if box is not None:
+            chunks.append(Chunk(f"model-rank{i:05d}.safetensors", "w", box))
     return chunks
 
 
 @SETTINGS
 @given(shapes, meshes)
-def test_held_rows_match_torch_chunk(shape: tuple[int, ...], mesh: tuple[tuple[int, ...], tuple[str, ...]]) -> None:
+def test_held_rows_match_torch_chunk(shape: tuple[int, ...], mesh: Mesh) -> None:
     mesh_shape, placements = mesh
     placements = placements_for(shape, placements)
     rows = row_math.rows_of(shape)
     for c in coords(mesh_shape):
-        start, end = row_math.held_rows(shape, mesh_shape, c, placements)
+        box = boxes.held_box(shape, mesh_shape, c, placements)
+        assert box.sizes[1:] == tuple(shape[1:])
         expected = torch.arange(rows)
         for size, ci, pl in zip(mesh_shape, c, placements):
-            if pl == row_math.SHARD:
+            if pl.kind == boxes.SHARD:
                 parts = torch.chunk(expected, size) if expected.numel() else ()
                 expected = parts[ci] if ci < len(parts) else expected[:0]
-        if expected.numel():
-            assert (start, end) == (int(expected[0]), int(expected[-1]) + 1)
+        if not shape:
+            assert box == boxes.Box((), ())
+        elif expected.numel():
+            assert (box.offsets[0], box.ends[0]) == (int(expected[0]), int(expected[-1]) + 1)
         else:
-            assert start == end
+            assert box.sizes[0] == 0
 
 
 @SETTINGS
 @given(shapes, meshes)
-def test_written_chunks_cover_each_tensor_exactly_once(shape: tuple[int, ...],
-                                                       mesh: tuple[tuple[int, ...], tuple[str, ...]]) -> None:
+def test_written_chunks_cover_each_tensor_exactly_once(shape: tuple[int, ...], mesh: Mesh) -> None:
     chunks = save_chunks(shape, mesh)
-    assert row_math.coverage_problem(row_math.rows_of(shape), chunks) is None
+    assert boxes.coverage_problem(shape, [c.box for c in chunks]) is None
     mesh_shape, placements = mesh
     placements = placements_for(shape, placements)
-    for c in coords(mesh_shape):  # every rank writes only rows it holds
-        hs, he = row_math.held_rows(shape, mesh_shape, c, placements)
-        ws, we = row_math.write_rows(shape, mesh_shape, c, placements)
-        assert ws == we or hs <= ws < we <= he
-    # Replicas share the work: each writes at most its torch.chunk share of the rows they all hold.
-    replicas = math.prod(size for size, pl in zip(mesh_shape, placements) if pl == row_math.REPLICATE)
+    # Every rank writes only what it holds; replicas share the work: each writes at most its torch.chunk
+    # share of the rows they all hold.
+    replicas = math.prod(size for size, pl in zip(mesh_shape, placements) if pl.kind == boxes.REPLICATE)
     for c in coords(mesh_shape):
-        hs, he = row_math.held_rows(shape, mesh_shape, c, placements)
-        ws, we = row_math.write_rows(shape, mesh_shape, c, placements)
-        assert we - ws <= -(-(he - hs) // replicas)
+        held = boxes.held_box(shape, mesh_shape, c, placements)
+        written = boxes.write_box(shape, mesh_shape, c, placements)
+        if written is not None:
+            assert written.intersect(held) == written
+            assert not shape or written.sizes[0] <= -(-held.sizes[0] // replicas)
 
 
 @SETTINGS
 @given(shapes, meshes, meshes, st.integers(0, 2**31 - 1))
-def test_save_at_w_load_at_w_prime_is_identity(shape: tuple[int, ...], saved: tuple[tuple[int, ...], tuple[str, ...]],
-                                               loaded: tuple[tuple[int, ...], tuple[str, ...]], seed: int) -> None:
+def test_save_at_w_load_at_w_prime_is_identity(shape: tuple[int, ...], saved: Mesh, loaded: Mesh, seed: int) -> None:
     full = np.random.default_rng(seed).standard_normal(shape if shape else ())
-    rows_view = full.reshape((1,)) if not shape else full
     chunks = save_chunks(shape, saved)
-    stored = {c.file: rows_view[c.start:c.end].copy() for c in chunks}  # what each saving rank writes
+    stored = {c.file: full[c.box.slices()].copy() for c in chunks}  # what each saving rank writes
     mesh_shape, placements = loaded
     placements = placements_for(shape, placements)
     for c in coords(mesh_shape):
-        start, end = row_math.held_rows(shape, mesh_shape, c, placements)
-        target = np.full((end - start, *shape[1:]) if shape else (1,), np.nan)
-        for chunk, s, e in row_math.overlaps(chunks, start, end):
-            target[s - start:e - start] = stored[chunk.file][s - chunk.start:e - chunk.start]
-        np.testing.assert_array_equal(target, rows_view[start:end])
+        want = boxes.held_box(shape, mesh_shape, c, placements)
+        target = np.full(want.sizes, np.nan)
+        for chunk, part in boxes.overlaps(chunks, want):
+            target[part.slices(want)] = stored[chunk.file][part.slices(chunk.box)]
+        np.testing.assert_array_equal(target, full[want.slices()])
 
 
 @SETTINGS
 @given(st.integers(0, 40), st.lists(st.tuples(st.integers(0, 45), st.integers(0, 45)), max_size=6))
 def test_coverage_problem_detects_gaps_overlaps_and_bounds(rows: int, spans: list[tuple[int, int]]) -> None:
-    chunks = [Chunk("f.safetensors", f"k{i}", s, e) for i, (s, e) in enumerate(spans)]
+    """Format 2's row ranges, and the same ranges as boxes of a (rows, 2) tensor."""
     covered = [0] * rows
     ok = True
     for s, e in spans:
@@ -129,7 +130,9 @@ def test_coverage_problem_detects_gaps_overlaps_and_bounds(rows: int, spans: lis
         for r in range(s, e):
             covered[r] += 1
     ok = ok and all(c == 1 for c in covered)
-    assert (row_math.coverage_problem(rows, chunks) is None) == ok
+    assert (row_math.coverage_problem(rows, spans) is None) == ok
+    as_boxes = [boxes.Box((s, 0), (e - s, 2)) for s, e in spans]
+    assert (boxes.coverage_problem((rows, 2), as_boxes) is None) == ((ok and rows > 0) or (rows == 0 and not spans))
 
 
 @SETTINGS
@@ -155,9 +158,13 @@ def test_output_shards_respect_the_limit_and_keep_order(sizes: list[int], limit:
         assert len(g) == 1 or sum(size_of[n] for n in g) <= limit
 
 
+def _box(start: int, end: int, cols: int = 3) -> boxes.Box:
+    return boxes.Box((start, 0), (end - start, cols))
+
+
 def _index(shape: tuple[int, ...] = (5, 3), chunks: tuple[Chunk, ...] | None = None) -> Index:
-    chunks = chunks or (Chunk("model-rank00000.safetensors", "w", 0, 3),
-                        Chunk("model-rank00001.safetensors", "w", 3, 5))
+    chunks = chunks or (Chunk("model-rank00000.safetensors", "w", _box(0, 3)),
+                        Chunk("model-rank00001.safetensors", "w", _box(3, 5)))
     files = {f"model-rank0000{i}.safetensors": fmt.FileEntry(100, "0" * 32, i) for i in range(2)}
     return Index(world_size=2, files=files, model={"w": TensorEntry("F32", shape, chunks)})
 
@@ -165,10 +172,10 @@ def _index(shape: tuple[int, ...] = (5, 3), chunks: tuple[Chunk, ...] | None = N
 def test_index_round_trip() -> None:
     index = _index()
     index.files["optim-rank00000.safetensors"] = fmt.FileEntry(100, "f" * 32, 0)
-    moment = TensorEntry("F32", (5, 3), (Chunk("optim-rank00000.safetensors", "w/exp_avg", 0, 5),))
+    moment = TensorEntry("F32", (5, 3), (Chunk("optim-rank00000.safetensors", "w/exp_avg", _box(0, 5)),))
     index.optimizer = fmt.OptimEntry([{"lr": 0.1, "params": ["w"]}],
                                      {"w": {"exp_avg": moment, "k": fmt.Value(3)}}, {("w", "exp_avg")})
-    shared = TensorEntry("F32", (5, 3), (Chunk("optim-rank00000.safetensors", "w", 0, 5),))
+    shared = TensorEntry("F32", (5, 3), (Chunk("optim-rank00000.safetensors", "w", _box(0, 5)),))
     index.model["v"] = shared
     parse_index(index.to_json(), "x/index.json")
     index.blobs["b"] = shared  # two tensors claiming one stored chunk are rejected
@@ -199,9 +206,13 @@ def _sealed(doc: dict) -> str:
     (lambda d: d["files"].update({"/abs/x.safetensors": {"size": 9, "digest": "0" * 32, "rank": 0}}), "absolute"),
     (lambda d: d["model"]["w"]["chunks"][0].update(file="../model-rank00000.safetensors"), "absolute"),
     (lambda d: d["model"]["w"]["chunks"][0].update(file="other.safetensors"), "not listed under 'files'"),
-    (lambda d: d["model"]["w"]["chunks"][0].update(rows=[0, 4]), "overlap"),
-    (lambda d: d["model"]["w"]["chunks"][0].update(rows=[0, 2]), "covered by no chunk"),
-    (lambda d: d["model"]["w"]["chunks"][1].update(rows=[3, 9]), "outside"),
+    (lambda d: d["model"]["w"]["chunks"][0].update(sizes=[4, 3]), "overlap"),
+    (lambda d: d["model"]["w"]["chunks"][0].update(sizes=[2, 3]), "covered by no chunk"),
+    (lambda d: d["model"]["w"]["chunks"][0].update(sizes=[3, 2]), "covered by no chunk"),
+    (lambda d: d["model"]["w"]["chunks"][1].update(sizes=[6, 3]), "outside"),
+    (lambda d: d["model"]["w"]["chunks"][1].update(offsets=[3]), "one per dim"),
+    (lambda d: d["model"]["w"]["chunks"][1].pop("offsets"), "expected key 'offsets'"),
+    (lambda d: d.update(version=1), "re-save the checkpoint"),
     (lambda d: d["model"]["w"].update(dtype="F31"), "expected one of"),
     (lambda d: d["model"]["w"].update(shape=[5, -3]), "non-negative"),
     (lambda d: d["files"]["model-rank00000.safetensors"].update(digest="xyz"), "32-hex-digit"),

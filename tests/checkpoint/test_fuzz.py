@@ -164,7 +164,8 @@ def _header_length(rng: random.Random, d: str, *_: str) -> str:
     return f"header length {name}={value}"
 
 
-EDITS = ("rows", "file", "key", "shape", "dtype", "size", "digest", "rank", "world", "swap", "blob ref", "drop chunk")
+EDITS = ("offsets", "file", "key", "shape", "dtype", "size", "digest", "rank", "world", "swap", "blob ref",
+         "drop chunk")
 
 
 def _edit_index(rng: random.Random, d: str, *_: str, kinds: tuple[str, ...] = EDITS) -> str:
@@ -176,9 +177,9 @@ def _edit_index(rng: random.Random, d: str, *_: str, kinds: tuple[str, ...] = ED
     chunks = [c for e in doc["model"].values() for c in e["chunks"]]
     tensors = list(doc["model"].values())
     kind = rng.choice(kinds)
-    if kind == "rows":
+    if kind == "offsets":
         c = rng.choice(chunks)
-        c["rows"] = [c["rows"][0] + rng.choice([-1, 1]), c["rows"][1]]
+        c["offsets"] = [c["offsets"][0] + rng.choice([-1, 1]), *c["offsets"][1:]] if c["offsets"] else [0]
     elif kind == "file":
         c = rng.choice(chunks)
         c["file"] = rng.choice([f for f in doc["files"] if f != c["file"]])
@@ -243,7 +244,8 @@ KINDS = [  # (outcome, a fragment of its message), first match wins
     ("no index", "not a fully_shard checkpoint"),
     ("header bounds", "header declares"), ("header bounds", "data offsets"), ("header bounds", "too short"),
     ("header bounds", "data bytes"), ("header malformed", "header"), ("chunk coverage", "covered by no chunk"),
-    ("chunk coverage", "overlap"), ("chunk coverage", "outside the tensor's rows"),
+    ("chunk coverage", "overlap"), ("chunk coverage", "outside the tensor's"),
+    ("chunk coverage", "integers (one per dim"),
     ("chunk claimed twice", "is also used by"), ("dangling tensor reference", "not under 'blobs'"),
     ("structure vs model", "dtype/shape differs"),
 ]

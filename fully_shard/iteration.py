@@ -1,0 +1,74 @@
+"""Per-iteration runtime state across units and roots: ``reset_iter_state`` and ``share_comm_ctx``.
+
+See design/hooks.md ("Recovering from an exception") and design/streams.md ("Several roots").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from .state import FSDPState, TrainingState, get_state, states_under
+from .streams import CommContext
+
+
+def reset_iter_state(state: FSDPState) -> None:
+    """After an exception aborted a forward or backward: wait for the collectives in flight (every
+    rank issued them), drop the failed step's in-flight reductions, HSDP partial sums and no-sync
+    accumulators, reshard every unit and clear the per-iteration trackers, so the next step runs as if
+    the failed one never started. Sharded ``.grad`` already assigned before the failure are kept (as in
+    torch): call ``optimizer.zero_grad()`` before the next step."""
+    root = state.root
+    if root is None:  # never ran: nothing to reset
+        return
+    if not state.is_root:
+        raise RuntimeError(f"reset_iter_state must be called on the root FSDP module; "
+                           f"{state.fqn or type(state.modules[0]).__name__!r} is not a root. "
+                           "Fix: call it on the module the outermost fully_shard was applied to.")
+    for st in root.states:
+        if st.group is not None:
+            st.group.reset()
+        st.training_state = TrainingState.IDLE
+        st._modules_to_run = set()
+        st._awaits_post_backward = False
+    root.reduces.discard()
+    root.comm.discard_in_flight()
+    root.callback_queued = False  # autograd drops a failed backward's queued callbacks
+    if not root.order_frozen:  # the first forward failed: record the order again
+        root.forward_order.clear()
+
+
+def share_comm_ctx(modules: list[Any]) -> None:
+    """Let several roots (pipeline-parallel model chunks, each its own fully_shard root) share one
+    communication context: the same streams and the same all-gather / reduce-scatter buffer
+    bookkeeping, so buffers are not fragmented across per-root streams. Call it on every rank, before
+    or after the first forward; each root keeps its own forward order and reduce queue."""
+    if not modules:
+        return
+    states = []
+    for module in modules:
+        st = get_state(module) if isinstance(module, nn.Module) else None
+        if st is None:
+            raise ValueError(f"share_comm_ctx expects modules passed to fully_shard, got {type(module).__name__}. "
+                             "Fix: call fully_shard(module) on each model chunk first.")
+        states.append(st)
+    first = states[0]
+    comm = first.root.comm if first.root is not None else (first.shared_comm or CommContext(first.device))
+    for st in states:
+        if st.device != comm.device:
+            raise ValueError(f"share_comm_ctx: modules on {comm.device} and {st.device}; one context serves "
+                             "one device. Fix: pass modules of one device.")
+        _use_comm(st, comm)
+
+
+def _use_comm(state: FSDPState, comm: CommContext) -> None:
+    for module in state.modules:
+        for _, sub in states_under(module):
+            sub.shared_comm = comm
+    if state.root is None:
+        return  # lazy init picks it up (RootContext)
+    state.root.comm = comm
+    for st in state.root.states:
+        if st.group is not None:
+            st.group.comm = comm

@@ -1,0 +1,270 @@
+"""The gradient side of a ParamGroup: reduce-scatter (+ HSDP all-reduce), scaling, hooks, ReduceQueue.
+
+See design/data-path.md ("Gradient reduction"). ``GroupReduce`` is mixed into ``ParamGroup``: it packs
+the unsharded grads, issues the reduce-scatter (the built-in one or a ``set_custom_reduce_scatter``
+object), the HSDP all-reduce, runs ``set_all_reduce_hook``'s hook and the gradient divide factor, and
+assigns the sharded ``.grad``. ``ReduceQueue`` bounds the reduces of one root that are in flight.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from . import collectives, trace
+from .layout import FlatLayout
+from .param import ShardedParam
+from .streams import CommContext, Pending
+
+if TYPE_CHECKING:
+    from .mesh import MeshInfo
+
+SUM: dist.ReduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+_NO_OVERFLOW_RISK = (torch.float32, torch.bfloat16, torch.float64)
+
+
+@dataclass
+class ReduceSettings:
+    """What the ``FSDPModule.set_*`` calls of the reduce side chose for one group (torch 2.13's names)."""
+
+    divide_factor: float | None = None  # set_gradient_divide_factor: None = average over all ranks
+    force_sum: bool = False  # set_force_sum_reduction_for_comms
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None  # set_all_reduce_hook
+    hook_stream: Any = None
+    unused_params: bool | None = None  # set_reduce_scatter_unused_params; None: zeros (this library)
+    max_input_buffers: int | None = None  # set_reduce_scatter_max_input_buffers; None: ReduceQueue's
+    group: dist.ProcessGroup | None = None  # set_separate_reduce_scatter_group; None: the shard group
+    comm: Any = None  # set_custom_reduce_scatter / process-group allocation: allocate() + __call__()
+
+
+@dataclass(frozen=True)
+class ReduceOps:
+    """The two collectives' ops and the scaling around them for one reduce."""
+
+    reduce_scatter: dist.ReduceOp
+    all_reduce: dist.ReduceOp
+    pre_divide: float | None  # the reduce-scatter input, before the collective (fp16: overflow)
+    post_divide: float | None  # the reduced shard, after the all-reduce and the hook
+
+
+def reduce_ops(settings: ReduceSettings, world: int, dtype: torch.dtype) -> ReduceOps:
+    """Default: AVG collectives (NCCL and gloo both average). A divide factor ``f`` or forced SUM: SUM
+    collectives and a division by ``f`` (default ``world``, every shard and replica rank) on the reduced
+    shard; in a dtype with overflow risk (fp16) split as ``pre * post = f`` around the collective, as
+    torch does. torch uses NCCL's ``PREMUL_SUM(1/f)`` here, which gloo lacks; SUM + scale runs everywhere."""
+    avg: dist.ReduceOp = collectives.AVG
+    if settings.divide_factor is None and not settings.force_sum:
+        return ReduceOps(avg, avg, None, None)
+    factor = float(settings.divide_factor if settings.divide_factor is not None else world)
+    if dtype in _NO_OVERFLOW_RISK:
+        return ReduceOps(SUM, SUM, None, factor)
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return ReduceOps(SUM, SUM, float(pre), factor / pre)
+
+
+@dataclass
+class _PendingReduce:
+    output: torch.Tensor | None  # this rank's reduced flat shard (reduce dtype); None: HSDP kept it to sum
+    reduce_scatter: Pending
+    all_reduce: Pending | None  # HSDP: issued right after the reduce-scatter, waited with it
+    cpu_input: torch.Tensor | None  # CPU: kept alive until the async work is waited
+    params: list[ShardedParam]  # whose grads the output holds, at ``flat``'s offsets
+    flat: FlatLayout
+    ops: ReduceOps
+
+
+class GroupReduce:
+    """The reduce-side methods of ``ParamGroup`` (its attributes are set in ``ParamGroup.__init__``)."""
+
+    fqn: str
+    mesh_info: MeshInfo
+    device: torch.device
+    requires_gradient_sync: bool
+    requires_all_reduce: bool
+    reduce_settings: ReduceSettings
+    _pending_reduces: list[_PendingReduce]
+    _partial_reduce_output: torch.Tensor | None
+
+    if TYPE_CHECKING:
+        @property
+        def _comm(self) -> CommContext: ...
+        @property
+        def reduce_dtype(self) -> torch.dtype: ...
+        def _grad_layout(self) -> tuple[list[ShardedParam], FlatLayout]: ...
+        def reshard(self, phase: trace.Phase = trace.Phase.EXPLICIT, *, partial: bool = False) -> None: ...
+        def _emit(self, kind: trace.EventKind, phase: trace.Phase, **kw: object) -> trace.Event | None: ...
+
+    def reduce_grads(self, *, reshard_first: bool = False) -> bool:
+        """Post-backward: reduce-scatter the unsharded grads (or stash them when sync is off); True
+        when a reduce was issued (the caller queues the group, see ``ReduceQueue``).
+
+        ``reshard_first``: free the unsharded params once their grads are taken, before the reduce
+        buffers are allocated (as torch's FSDP2 does): the peak holds one unit's params less."""
+        params, flat = self._grad_layout()
+        if not params:
+            return False
+        if not self.requires_gradient_sync:
+            for p in params:
+                p.stash_unsharded_grad(self.reduce_dtype)
+            return False
+        grads = [p.take_unsharded_grad() for p in params]
+        if all(g is None for g in grads):
+            return False
+        if reshard_first:
+            self.reshard(trace.Phase.BACKWARD)
+        ctx, settings = self._comm, self.reduce_settings
+        ops = reduce_ops(settings, self.mesh_info.shard_world * self.mesh_info.replicate_world, self.reduce_dtype)
+        alloc = settings.comm.allocate if settings.comm is not None else None
+        with torch.no_grad():
+            ctx.release_reduce_scatter_input()
+            inp = collectives.reduce_scatter_copy_in(grads, params, flat, self.reduce_dtype, self.device, alloc=alloc)
+            del grads
+            if ops.pre_divide is not None:
+                inp.div_(ops.pre_divide)
+            rs_stream = ctx.stream("reduce_scatter")
+            ctx.wait_stream(rs_stream, ctx.current_stream())
+            with ctx.on(rs_stream):
+                out = collectives.allocate(alloc, flat.shard_numel, self.reduce_dtype, self.device)
+            group = settings.group or self.mesh_info.shard_group
+            pending = ctx.issue("reduce_scatter", lambda a: collectives.reduce_scatter(
+                out, inp, group, ops.reduce_scatter, a, comm=settings.comm))
+        if ctx.accelerated:  # keep the input until its collective is done (see streams.py)
+            ctx.hold_reduce_scatter_input(inp, pending.event)
+        self._emit(trace.EventKind.REDUCE_SCATTER, trace.Phase.BACKWARD,
+                   nbytes=_nbytes(inp), group_size=self.mesh_info.shard_world, timing=pending.timing)
+        output: torch.Tensor | None = out
+        all_reduce = None
+        if self.mesh_info.replicate_group is not None:
+            output, all_reduce = self._all_reduce_replicas(out, pending, ops)
+        cpu_input = None if ctx.accelerated else inp
+        self._pending_reduces.append(_PendingReduce(output, pending, all_reduce, cpu_input, params, flat, ops))
+        return True
+
+    def finish_reduces(self) -> None:
+        """Wait for this group's reduce-scatters (and HSDP all-reduces); run the all-reduce hook and the
+        divide factor; assign sharded grads."""
+        if not self._pending_reduces:
+            return
+        for item in self._pending_reduces:
+            item.reduce_scatter.wait(self._comm)
+            if item.all_reduce is not None:
+                item.all_reduce.wait(self._comm)
+            if item.output is not None:
+                self._run_all_reduce_hook(item.output)
+                if item.ops.post_divide is not None and item.ops.post_divide != 1:
+                    item.output.div_(item.ops.post_divide)
+                self._assign_grads(item.output, item.params, item.flat)
+        self._pending_reduces.clear()
+        self._emit(trace.EventKind.REDUCE_DONE, trace.Phase.BACKWARD)
+
+    def discard_reduces(self) -> None:
+        """``reset_iter_state``: wait for the collectives in flight (every rank issued them) and drop
+        their results, the HSDP partial sums and the no-sync accumulators: the failed step's gradients
+        are lost, as in torch."""
+        for item in self._pending_reduces:
+            item.reduce_scatter.wait(self._comm)
+            if item.all_reduce is not None:
+                item.all_reduce.wait(self._comm)
+        self._pending_reduces.clear()
+        self._partial_reduce_output = None
+        for p in self.params:  # type: ignore[attr-defined]
+            p.unsharded_accumulated_grad = None
+            if p.unsharded_param is not None:
+                p.unsharded_param.grad = None
+
+    def _run_all_reduce_hook(self, output: torch.Tensor) -> None:
+        """``hook(reduced shard)``, in the reduce dtype, before the divide factor (torch's order)."""
+        hook = self.reduce_settings.all_reduce_hook
+        if hook is None:
+            return
+        ctx = self._comm
+        stream = self.reduce_settings.hook_stream or ctx.stream("all_reduce")
+        ctx.wait_stream(stream, ctx.current_stream())
+        with ctx.on(stream):
+            hook(output)
+        ctx.wait_stream(ctx.current_stream(), stream)
+
+    def _all_reduce_replicas(self, output: torch.Tensor, reduce_scatter: Pending,
+                             ops: ReduceOps) -> tuple[torch.Tensor | None, Pending | None]:
+        """HSDP: issue the reduction of the reduce-scattered shard across replicas as soon as the
+        reduce-scatter is done, on its own stream, so it overlaps the next unit's backward (or keep
+        accumulating under ``set_requires_all_reduce(False)``). Returns the output and its all-reduce."""
+        ctx = self._comm
+        ctx.wait_for("all_reduce", reduce_scatter)
+        with ctx.on(ctx.stream("all_reduce")):
+            if self._partial_reduce_output is not None:
+                output = output + self._partial_reduce_output
+                self._partial_reduce_output = None
+        if not self.requires_all_reduce:
+            self._partial_reduce_output = output
+            return None, None
+        group = self.mesh_info.replicate_group
+        assert group is not None
+        pending = ctx.issue("all_reduce", lambda a: collectives.all_reduce(output, group, ops.all_reduce,
+                                                                           async_op=a))
+        self._emit(trace.EventKind.ALL_REDUCE, trace.Phase.BACKWARD,
+                   nbytes=_nbytes(output), group_size=self.mesh_info.replicate_world, timing=pending.timing)
+        return output, pending
+
+    def _assign_grads(self, output: torch.Tensor, params: list[ShardedParam], flat: FlatLayout) -> None:
+        """Assign each parameter's rows as its sharded ``.grad``, then run its post-accumulate-grad
+        hooks (optimizer-in-backward), as autograd would for a leaf (design/hooks.md)."""
+        rank = self.mesh_info.shard_rank
+        with torch.no_grad():
+            for p, offset in zip(params, flat.offsets):
+                local = output.narrow(0, offset, p.layout.local_numel(rank)).view(p.layout.local_shape(rank))
+                p.set_sharded_grad(local)
+                p.run_post_accumulate_grad_hooks()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class ReduceQueue:
+    """The groups of one root with reduces in flight, oldest first. Before a group allocates its
+    reduce buffers, ``make_room`` finishes the oldest until fewer than the limit remain, so at most
+    ``limit`` reduces (the new one included) are ever in flight and their buffers stay bounded instead
+    of piling up until the end of backward.
+
+    The limit is the group's ``set_reduce_scatter_max_input_buffers(k)`` when set, else
+    ``max_in_flight``: 2 on accelerators (one behind the next unit's backward while the newest is
+    issued); 1 on CPU (torch's default): a unit's reduce-scatter runs in gloo's thread behind the next
+    unit's backward and is finished just before that unit allocates its own, so two reduce inputs never
+    coexist. ``max_in_flight = 0`` finishes each reduce at once (no overlap). Figures in
+    benchmarks/README.md; design/data-path.md."""
+
+    def __init__(self, *, accelerated: bool) -> None:
+        self.max_in_flight = 2 if accelerated else 1
+        self._groups: deque[GroupReduce] = deque()
+
+    def _limit(self, group: GroupReduce | None) -> int:
+        k = group.reduce_settings.max_input_buffers if group is not None else None
+        return self.max_in_flight if k is None else k
+
+    def make_room(self, group: GroupReduce | None = None) -> None:
+        limit = self._limit(group)
+        while self._groups and len(self._groups) >= limit:
+            self._groups.popleft().finish_reduces()
+
+    def push(self, group: GroupReduce) -> None:
+        if group not in self._groups:
+            self._groups.append(group)
+        limit = self._limit(group)
+        while len(self._groups) > limit:  # 0: finish right away (no overlap)
+            self._groups.popleft().finish_reduces()
+
+    def drain(self) -> None:
+        while self._groups:
+            self._groups.popleft().finish_reduces()
+
+    def discard(self) -> None:
+        """``reset_iter_state``: forget the queued groups (each discards its own reduces)."""
+        self._groups.clear()
