@@ -54,9 +54,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
 
 from . import api
-from .iteration import share_comm_ctx
-from .mesh import MeshInfo, replicate_mesh
-from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from .mesh import MeshInfo
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state import FSDPState, get_state
 
@@ -90,11 +89,10 @@ class _TorchSignatureFullyShard:
                  shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
                  mp_policy: Any = MixedPrecisionPolicy(), offload_policy: Any = OffloadPolicy(),
                  ignored_params: set[nn.Parameter] | None = None, dp_mesh_dims: Any = None) -> Any:
-        mesh = _dp_mesh(mesh, dp_mesh_dims)
         out = api.fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
                               shard_placement_fn=_placement_fn(shard_placement_fn, mesh),
                               mp_policy=_mp_policy(mp_policy), offload_policy=_offload_policy(offload_policy),
-                              ignored_params=ignored_params)
+                              ignored_params=ignored_params, dp_mesh_dims=dp_mesh_dims)
         return out  # api.fully_shard sets Dynamo's module flags (dynamo.mark_managed)
 
     def state(self, module: nn.Module) -> StateView | None:
@@ -108,31 +106,6 @@ class _TorchSignatureFullyShard:
 
 
 fully_shard = _TorchSignatureFullyShard()
-
-
-def _dp_mesh(mesh: DeviceMesh | None, dims: Any) -> DeviceMesh | None:
-    """torch's ``dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)``: the data-parallel
-    sub-mesh of a named mesh (names of one kind flattened into one dim, as torch does)."""
-    if dims is None:
-        return mesh
-    if mesh is None or mesh.mesh_dim_names is None:
-        raise ValueError(f"dp_mesh_dims={dims!r} names dims of a mesh, but mesh={mesh!r} has no dim names. "
-                         "Fix: pass mesh=init_device_mesh(..., mesh_dim_names=(...)).")
-    shard, rep = tuple(dims.shard_names), tuple(dims.replicate_names)
-
-    def sub(names: tuple[str, ...]) -> DeviceMesh:
-        # Several names of one kind become one dim as in torch's fully_shard: DeviceMesh has no public
-        # API to flatten dims into one process group, so this uses the private _flatten (as torch does).
-        return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
-
-    if not rep:
-        return sub(shard)
-    if not shard:
-        return replicate_mesh(sub(rep))  # DDP: the (W, 1) ('replicate', 'shard') mesh
-    if len(rep) == 1 and len(shard) == 1:
-        return mesh[(rep[0], shard[0])]
-    raise NotImplementedError(f"dp_mesh_dims={dims!r}: HSDP over several named dims per kind is not supported. "
-                              "Fix: flatten them first (mesh[names]._flatten(...)) and name one dim each.")
 
 
 def _placement_fn(fn: Callable[[nn.Parameter], Any] | None,

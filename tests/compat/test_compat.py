@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_module
 
 import fully_shard as ours
 from fully_shard import compat
@@ -182,7 +182,6 @@ def test_torchtitan_chunked_loss_through_torch_imports(group_raf: bool) -> None:
 # --- torch's records: policies made before patching, dp_mesh_dims, ShardPlacementResult ----------
 @distributed(world_size=2)
 def _torch_records() -> dict[str, Any]:
-    from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
@@ -201,8 +200,7 @@ def _torch_records() -> dict[str, Any]:
         def place(p: nn.Parameter) -> Any:
             return ShardPlacementResult(placement=Shard(1) if p.dim() == 2 else None, mesh_info=info)
 
-        fully_shard(model[0], mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"),
-                    shard_placement_fn=place, mp_policy=torch_mp)
+        fully_shard(model[0], mesh=mesh, shard_placement_fn=place, mp_policy=torch_mp)
         fully_shard(model, mesh=mesh, mp_policy=torch_mp)
         assert model[0].weight.placements == (Shard(1),) and model[0].weight.device_mesh == mesh
         out = model(torch.randn(3, 8))
@@ -240,14 +238,16 @@ def _hsdp_dp_mesh_dims() -> dict[str, float]:
     base = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 3))
     x = torch.randn(4, 8)[mesh.get_rank() % 4:][:1]
     got = {}
-    theirs = copy.deepcopy(base)
-    _torch_fully_shard()(theirs, mesh=mesh)
+    dims = DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")
+    # dp_mesh_dims: the parameters are DTensors on the full mesh, Replicate() on the dp dims (torch's contract)
+    theirs = distribute_module(copy.deepcopy(base), mesh)
+    _torch_fully_shard()(theirs, mesh=mesh, dp_mesh_dims=dims)
     compat.patch_torch()
     try:
         from torch.distributed.fsdp import fully_shard
 
-        model = fully_shard(copy.deepcopy(base), mesh=mesh,
-                            dp_mesh_dims=DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate"))
+        model = fully_shard(distribute_module(copy.deepcopy(base), mesh), mesh=mesh, dp_mesh_dims=dims)
+        assert model[0].weight.placements == theirs[0].weight.placements, model[0].weight.placements
         state = compat.fully_shard.state(model)
         assert state is not None and state._fsdp_param_group is not None
         info = state._fsdp_param_group.mesh_info
@@ -257,7 +257,8 @@ def _hsdp_dp_mesh_dims() -> dict[str, float]:
     finally:
         compat.unpatch_torch()
     for lib, m in (("ours", model), ("torch", theirs)):
-        m(x).pow(2).sum().backward()
+        xd = DTensor.from_local(x, mesh, [Shard(0), Shard(0)])  # SPMD: the batch is sharded on both dp dims
+        m(xd).pow(2).sum().full_tensor().backward()
         got[lib] = grads(m)
     diff = max_diff(got["ours"], got["torch"])
     assert diff < TOL, diff
