@@ -8,7 +8,7 @@ colwise, o/down rowwise), ``block.compile(fullgraph=True)``, wrap it in activati
 ``fully_shard(wrapped, mesh=mesh["dp"])`` and ``fully_shard(model, mesh=mesh["dp"])``. (Compiling the
 checkpoint wrapper itself, AC inside the graph, fails in torch 2.13 for TP blocks with
 ``AssertionError: expected all tensors_saved_with_vc_check to be Tensors`` in aot_autograd, with torch's
-fully_shard, so AC wraps the compiled block.) Every rank of one ``dp`` group sees the same batch; the
+fully_shard and ours alike, so AC wraps the compiled block.) Every rank of one ``dp`` group sees the same batch; the
 global batch is the same in both runs, so the two loss curves match (the last line prints the largest gap).
 ``--impl torch`` runs torch's own ``fully_shard`` instead (the reference this library is tested against).
 See design/2d-params.md for the placements and the gradient path.
@@ -17,6 +17,7 @@ See design/2d-params.md for the placements and the gradient path.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -194,6 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-ac", action="store_true", help="no activation checkpointing")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=2)
+    ap.add_argument("--report", type=Path, default=None, help="write rank 0's losses as JSON")
     return ap.parse_args(argv)
 
 
@@ -220,6 +222,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for i, (a, b) in enumerate(zip(two_d, dp_only)):
             print(f"{i + 1:>4}  {a:>12.6f}  {b:>12.6f}")
         print(f"max |2-D - dp-only| loss gap: {gap:.2e}")
+        if args.report is not None:
+            args.report.write_text(json.dumps({"two_d": two_d, "dp_only": dp_only, "gap": gap}))
     dist.destroy_process_group()
     return {"two_d": two_d, "dp_only": dp_only, "gap": gap}
 
