@@ -171,7 +171,8 @@ class SubgroupInfo:
 @dataclass(frozen=True)
 class MeshInfo:
     """The mesh a group shards over: a 1-D ``(shard,)`` or HSDP 2-D ``(replicate, shard)`` mesh (with
-    ``dp_mesh_dims``: those dims of ``spmd_mesh``, the full mesh the parameters are DTensors on)."""
+    ``dp_mesh_dims``: those dims of ``spmd_mesh``, the full mesh the parameters are DTensors on, several
+    names flattened into one dim; ``replicate`` only: the 1-D replicate mesh and a one-rank shard group)."""
 
     mesh: DeviceMesh
     shard_group: dist.ProcessGroup
