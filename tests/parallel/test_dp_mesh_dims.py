@@ -1,5 +1,5 @@
-"""``dp_mesh_dims`` with several shard dims (flattened into one shard axis), several replicate dims, and
-replicate only (DDP-like), on 4 gloo ranks: against torch's fully_shard side by side (the sharded
+"""``dp_mesh_dims`` with several shard dims (flattened into one shard axis; FSDP and HSDP), several
+replicate dims, and replicate only (DDP-like), on 4 gloo ranks: against torch's fully_shard side by side (the sharded
 parameter's mesh, placements and local tensor, the gradients, AdamW losses) and an unsharded model.
 
 Each mesh is created once per rank process (tp_common's rule: value-equal meshes share DTensor specs)."""
@@ -27,9 +27,9 @@ TIMEOUT_S = 300
 _MESHES: dict[tuple[str, ...], DeviceMesh] = {}
 
 
-def _mesh(*names: str) -> DeviceMesh:
+def _mesh(*names: str, shape: tuple[int, ...] = (2, 2)) -> DeviceMesh:
     if names not in _MESHES:
-        _MESHES[names] = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+        _MESHES[names] = init_device_mesh("cpu", shape, mesh_dim_names=names)
     return _MESHES[names]
 
 
@@ -93,11 +93,11 @@ def _mlp() -> nn.Module:
 
 
 def _batch_sharded_loss(mesh: DeviceMesh) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[Any, float]]:
-    """The batch sharded over both mesh dims (rank r holds rows 2r, 2r+1): the loss is the global mean."""
+    """The batch sharded over every mesh dim (rank r holds rows 2r, 2r+1): the loss is the global mean."""
 
     def loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
         rows = slice(2 * mesh.get_rank(), 2 * mesh.get_rank() + 2)
-        xd, yd = (DTensor.from_local(t[rows], mesh, [Shard(0), Shard(0)]) for t in (x, y))
+        xd, yd = (DTensor.from_local(t[rows], mesh, [Shard(0)] * mesh.ndim) for t in (x, y))
         value = ((m(xd) - yd) ** 2).mean().full_tensor()
         return value, value.item()
 
@@ -113,6 +113,12 @@ def _cases() -> list[dict[str, Any]]:
         results.append(_side_by_side(lambda b=base: distribute_module(copy.deepcopy(b), mesh), kind, dims,
                                      _batch_sharded_loss(mesh), copy.deepcopy(base),
                                      lambda r, x: r(x), mesh))
+    # HSDP with two shard dims: replicate over 'dp_replicate', shard over ('dp_shard', 'cp') flattened
+    mesh = _mesh("dp_replicate", "dp_shard", "cp", shape=(2, 1, 2))
+    base = _mlp()
+    results.append(_side_by_side(lambda: distribute_module(copy.deepcopy(base), mesh), "hsdp_shard2",
+                                 {"shard": ("dp_shard", "cp"), "replicate": "dp_replicate"},
+                                 _batch_sharded_loss(mesh), copy.deepcopy(base), lambda r, x: r(x), mesh))
     # DDP-like: replicate over 'dp_replicate' only; 'tp' shards w1/w2 (SpmdMLP), the batch is split over dp
     mesh = _mesh("dp_replicate", "tp")
 
@@ -128,7 +134,7 @@ def _cases() -> list[dict[str, Any]]:
 def test_flattened_and_replicate_only_dp_mesh_dims_match_torch() -> None:
     for rank_results in _cases():
         by_kind = {r["kind"]: r for r in rank_results}
-        assert set(by_kind) == {"shard2", "replicate2", "ddp"}
+        assert set(by_kind) == {"shard2", "replicate2", "hsdp_shard2", "ddp"}
         for r in rank_results:
             assert r["same_layout"], r
             assert r["init_diff"] == 0.0 and r["grad_diff"] < 1e-6 and r["final_diff"] < 1e-5, r
@@ -137,6 +143,9 @@ def test_flattened_and_replicate_only_dp_mesh_dims_match_torch() -> None:
             assert r["losses"][-1][0] < r["losses"][0][0], r["losses"]  # it trains
         shard2 = by_kind["shard2"]["layout"]
         assert shard2["0.weight"] == ("DeviceMesh((dp_shard_cp=4), 'cpu', stride=(1,))", (Shard(0),)), shard2
+        hsdp = by_kind["hsdp_shard2"]["layout"]["0.weight"]
+        assert hsdp == ("DeviceMesh((dp_replicate=2, dp_shard_cp=2), 'cpu', stride=(2, 1))",
+                        (Replicate(), Shard(0))), hsdp
         ddp = by_kind["ddp"]["layout"]  # parameters keep their full-mesh placements: nothing is sharded by FSDP
         assert {n: p for n, (_, p) in ddp.items()} == {"w1": (Replicate(), Shard(0)), "w2": (Replicate(), Shard(1)),
                                                        "b2": (Replicate(), Replicate())}, ddp
