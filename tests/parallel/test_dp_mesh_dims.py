@@ -23,7 +23,7 @@ from fully_shard.mesh import _check_dp_names
 from tests.distributed.harness import distributed
 from tests.parallel.tp_common import DIM, SpmdMLP, dp_slice, global_loss, spmd_reference, spmd_reference_forward
 
-STEPS = 4
+STEPS = 3
 TIMEOUT_S = 300
 _MESHES: dict[tuple[str, ...], DeviceMesh] = {}
 
