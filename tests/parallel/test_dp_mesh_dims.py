@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 
-from fully_shard import DataParallelMeshDims, fully_shard
+from fully_shard import DataParallelMeshDims, compat, fully_shard
 from fully_shard.mesh import _check_dp_names
 from tests.distributed.harness import distributed
 from tests.parallel.tp_common import DIM, SpmdMLP, dp_slice, global_loss, spmd_reference, spmd_reference_forward
@@ -69,7 +69,8 @@ def _side_by_side(make: Callable[[], nn.Module], kind: str, dims: dict[str, Any]
     ours, theirs = make(), make()
     fully_shard(ours, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(**dims))
     torch_fully_shard(theirs, mesh=mesh, dp_mesh_dims=TorchDims(**dims))
-    out: dict[str, Any] = {"kind": kind, "same_layout": _layout(ours) == _layout(theirs),
+    views = [_mesh_info_view(compat.fully_shard.state(ours)), _mesh_info_view(torch_fully_shard.state(theirs))]
+    out: dict[str, Any] = {"kind": kind, "same_layout": _layout(ours) == _layout(theirs), "views": views,
                            "layout": {n: (str(m), p) for n, (m, p, _) in _layout(ours).items()},
                            "init_diff": _diff(ours, theirs), "losses": []}
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01) for m in (ours, theirs, ref)]
@@ -89,6 +90,16 @@ def _side_by_side(make: Callable[[], nn.Module], kind: str, dims: dict[str, Any]
         out["losses"].append((v_ours, v_theirs, l_ref.item()))
     out["final_diff"] = _diff(ours, theirs)
     return out
+
+
+def _mesh_info_view(state: Any) -> tuple[Any, ...]:
+    """What torch code reads of a unit's mesh info (compat's view of ours, torch's own)."""
+    info = state._fsdp_param_group.mesh_info
+    sizes = [getattr(info, f, None) for f in ("shard_mesh_size", "replicate_mesh_size")]
+    # (torch's DDPMeshInfo has no shard size, its FSDPMeshInfo no replicate size)
+    shard_size = None if info.shard_mesh_dim is None else sizes[0]
+    replicate_size = None if info.replicate_mesh_dim is None else sizes[1]
+    return info.shard_mesh_dim, info.replicate_mesh_dim, shard_size, replicate_size
 
 
 def _mlp() -> nn.Module:
@@ -146,6 +157,7 @@ def test_flattened_and_replicate_only_dp_mesh_dims_match_torch() -> None:
         assert set(by_kind) == {"shard2", "replicate2", "hsdp_shard2", "ddp"}
         for r in rank_results:
             assert r["same_layout"], r
+            assert r["views"][0] == r["views"][1], r["views"]
             assert r["init_diff"] == 0.0 and r["grad_diff"] < 1e-6 and r["final_diff"] < 1e-5, r
             assert r["ref_grad_diff"] < 1e-6, r  # the gradient of the global mean loss (no extra averaging)
             for ours, theirs, ref in r["losses"]:
@@ -156,6 +168,7 @@ def test_flattened_and_replicate_only_dp_mesh_dims_match_torch() -> None:
         hsdp = by_kind["hsdp_shard2"]["layout"]["0.weight"]
         assert hsdp == ("DeviceMesh((dp_replicate=2, dp_shard_cp=2), 'cpu', stride=(2, 1))",
                         (Replicate(), Shard(0))), hsdp
+        assert by_kind["ddp"]["views"][0] == (None, 0, None, 2), by_kind["ddp"]["views"]
         ddp = by_kind["ddp"]["layout"]  # parameters keep their full-mesh placements: nothing is sharded by FSDP
         assert {n: p for n, (_, p) in ddp.items()} == {"w1": (Replicate(), Shard(0)), "w2": (Replicate(), Shard(1)),
                                                        "b2": (Replicate(), Replicate())}, ddp
