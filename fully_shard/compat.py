@@ -214,7 +214,7 @@ class MeshInfoView:
     """A unit's mesh with the attribute names of torch's ``FSDPMeshInfo`` / ``HSDPMeshInfo``."""
 
     mesh: DeviceMesh
-    shard_mesh_dim: int
+    shard_mesh_dim: int | None
     replicate_mesh_dim: int | None
     shard_process_group: Any
     shard_mesh_size: int
@@ -227,8 +227,9 @@ class MeshInfoView:
     def of(cls, info: MeshInfo) -> MeshInfoView:
         hsdp = info.replicate_group is not None
         rep_rank = info.mesh.get_local_rank(0) if hsdp else 0
-        return cls(info.mesh, 1 if hsdp else 0, 0 if hsdp else None, info.shard_group, info.shard_world,
-                   info.shard_rank, info.replicate_group, info.replicate_world, rep_rank)
+        ddp = hsdp and info.mesh.ndim == 1  # dp_mesh_dims replicate only: torch's DDPMeshInfo has no shard dim
+        return cls(info.mesh, None if ddp else 1 if hsdp else 0, 0 if hsdp else None, info.shard_group,
+                   info.shard_world, info.shard_rank, info.replicate_group, info.replicate_world, rep_rank)
 
 
 class GroupView:

@@ -103,6 +103,61 @@ def _check_world(mesh: DeviceMesh) -> None:
                          f"init_device_mesh(device, ({world},)).")
 
 
+def _check_dp_names(mesh: DeviceMesh, dims: DataParallelMeshDims) -> None:
+    """The combinations torch 2.13 accepts (it refuses the others with a KeyError/RuntimeError from
+    DeviceMesh slicing or concatenation): existing dim names, each used once, each tuple in mesh order,
+    several shard names adjacent in the mesh."""
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(f"dp_mesh_dims={dims} names mesh dims, but the mesh of shape {tuple(mesh.shape)} has "
+                         "no mesh_dim_names. Fix: init_device_mesh(..., mesh_dim_names=('dp', 'tp')).")
+    used = (*dims.shard_names, *dims.replicate_names)
+    for name in used:
+        if name not in names:
+            raise ValueError(f"dp_mesh_dims={dims} names mesh dim {name!r}, but the mesh's dims are {names}. "
+                             "Fix: name existing dims of the mesh passed to fully_shard.")
+    twice = sorted({n for n in used if used.count(n) > 1})
+    if twice:
+        raise ValueError(f"dp_mesh_dims={dims} names mesh dim(s) {twice} more than once (a dim is either sharded "
+                         "or replicated over, once). Fix: name each data-parallel dim once, e.g. "
+                         "DataParallelMeshDims(shard='dp_shard', replicate='dp_replicate').")
+    for field, group in (("shard", dims.shard_names), ("replicate", dims.replicate_names)):
+        index = [names.index(n) for n in group]
+        if index != sorted(index):
+            raise ValueError(f"dp_mesh_dims={dims}: the {field} dims {group} are not in the mesh's order {names} "
+                             f"(torch refuses this too). Fix: {field}={tuple(sorted(group, key=names.index))}.")
+        if field == "shard" and index and index[-1] - index[0] != len(index) - 1:
+            raise ValueError(f"dp_mesh_dims={dims}: the shard dims {group} are not adjacent in the mesh {names}, so "
+                             "they cannot be flattened into one shard axis of the sharded parameter (torch refuses "
+                             "this too). Fix: order the mesh so the shard dims are next to each other, e.g. "
+                             "mesh_dim_names=('dp_replicate', 'dp_shard', 'cp', 'tp').")
+
+
+def flatten_dims(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """The 1-D mesh over the dims ``names`` of ``mesh`` (one of them: that dim; several: flattened, named
+    ``"_".join(names)`` as torch's fully_shard names it, so both libraries share one mesh and group).
+
+    ``DeviceMesh._flatten`` is torch's only way to merge mesh dims into one (its process group is created
+    once and cached on the root mesh by name); this is its one use."""
+    if len(names) == 1:
+        return mesh[names[0]]
+    return mesh[names]._flatten("_".join(names))
+
+
+_SINGLETONS: dict[tuple[object, int], dist.ProcessGroup] = {}
+
+
+def singleton_group() -> dist.ProcessGroup:
+    """A process group of this rank alone (the shard group of a DDP-like unit: no collective runs on
+    it), created locally once per rank: only its one member takes part."""
+    key = _world_key()
+    if key not in _SINGLETONS:
+        group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        assert group is not None
+        _SINGLETONS[key] = group
+    return _SINGLETONS[key]
+
+
 @dataclass(frozen=True)
 class SubgroupInfo:
     """The ranks one all-gather runs over: a unit's whole shard group, or the k-rank subgroup a
@@ -116,7 +171,8 @@ class SubgroupInfo:
 @dataclass(frozen=True)
 class MeshInfo:
     """The mesh a group shards over: a 1-D ``(shard,)`` or HSDP 2-D ``(replicate, shard)`` mesh (with
-    ``dp_mesh_dims``: those dims of ``spmd_mesh``, the full mesh the parameters are DTensors on)."""
+    ``dp_mesh_dims``: those dims of ``spmd_mesh``, the full mesh the parameters are DTensors on, several
+    names flattened into one dim; ``replicate`` only: the 1-D replicate mesh and a one-rank shard group)."""
 
     mesh: DeviceMesh
     shard_group: dist.ProcessGroup
@@ -147,27 +203,22 @@ class MeshInfo:
 
     @classmethod
     def _of_spmd(cls, mesh: DeviceMesh, dims: DataParallelMeshDims) -> MeshInfo:
-        names = mesh.mesh_dim_names
-        if names is None:
-            raise ValueError(f"dp_mesh_dims={dims} names mesh dims, but the mesh of shape {tuple(mesh.shape)} has "
-                             "no mesh_dim_names. Fix: init_device_mesh(..., mesh_dim_names=('dp', 'tp')).")
-        for name in (*dims.shard_names, *dims.replicate_names):
-            if name not in names:
-                raise ValueError(f"dp_mesh_dims={dims} names mesh dim {name!r}, but the mesh's dims are {names}. "
-                                 "Fix: name existing dims of the mesh passed to fully_shard.")
-        if len(dims.shard_names) != 1 or len(dims.replicate_names) > 1:
-            raise ValueError(
-                f"dp_mesh_dims={dims}: this library shards over exactly one named mesh dim and replicates over at "
-                "most one (torch flattens several; pure replication is torch's replicate()). Fix: flatten the "
-                "dims into one named dim when building the mesh, e.g. DataParallelMeshDims(shard='dp', "
-                "replicate='dp_replicate').")
+        """torch 2.13's meaning: several shard (or replicate) names are flattened into one shard (or
+        replicate) axis; ``replicate`` alone is DDP-like (a one-rank shard group: parameters stay whole,
+        gradients are all-reduced over the replicate axis)."""
+        _check_dp_names(mesh, dims)
         _check_world(mesh)
-        shard = mesh[dims.shard_names[0]]
-        if not dims.replicate_names:
+        shard_names, replicate_names = dims.shard_names, dims.replicate_names
+        if not shard_names:  # DDP-like
+            replicate = flatten_dims(mesh, replicate_names)
+            return cls(replicate, singleton_group(), 0, 1, replicate_group=replicate.get_group(0),
+                       replicate_world=replicate.size(0), spmd_mesh=mesh, dp_mesh_dims=dims)
+        shard = flatten_dims(mesh, shard_names)
+        if not replicate_names:
             return cls(shard, shard.get_group(0), shard.get_local_rank(0), shard.size(0),
                        spmd_mesh=mesh, dp_mesh_dims=dims)
-        replicate = mesh[dims.replicate_names[0]]
-        dp = concatenate_meshes(replicate, shard, "<dp_mesh_dims>")
+        replicate = flatten_dims(mesh, replicate_names)
+        dp = concatenate([replicate, shard])
         return cls(dp, shard.get_group(0), shard.get_local_rank(0), shard.size(0),
                    replicate_group=replicate.get_group(0), replicate_world=replicate.size(0),
                    spmd_mesh=mesh, dp_mesh_dims=dims)
@@ -241,9 +292,8 @@ def concatenate_meshes(dp: DeviceMesh, tp: DeviceMesh, fqn: str) -> DeviceMesh:
     """The mesh ``dp`` x ``tp`` (dp dims first) of two sub-meshes of one root mesh, created once per pair
     so every parameter of a model shares one object (and its process groups: no new group is made).
 
-    ``DeviceMesh._concatenate`` is the only way torch offers to join two slices of one root (what its
-    own fully_shard uses for TP parameters); ``root_mesh`` tells whether they share a root. Errors name
-    the parameter ``fqn`` and the fix."""
+    ``concatenate`` joins them; ``root_mesh`` tells whether they share a root. Errors name the parameter
+    ``fqn`` and the fix."""
     key = (*_world_key(), dp, tp)
     if key in _COMBINED:
         return _COMBINED[key]
@@ -266,7 +316,7 @@ def concatenate_meshes(dp: DeviceMesh, tp: DeviceMesh, fqn: str) -> DeviceMesh:
             "init_device_mesh). Fix: mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')); "
             "parallelize_module(block, mesh['tp'], plan); fully_shard(block, mesh=mesh['dp']).")
     try:
-        combined = DeviceMesh._concatenate([dp, tp])
+        combined = concatenate([dp, tp])
     except RuntimeError as e:
         raise ValueError(f"parameter {fqn!r}: cannot combine the fully_shard mesh {describe_mesh(dp)} with its "
                          f"DTensor's mesh {describe_mesh(tp)} ({e}). Fix: slice both from one init_device_mesh(...), "
@@ -274,6 +324,22 @@ def concatenate_meshes(dp: DeviceMesh, tp: DeviceMesh, fqn: str) -> DeviceMesh:
                          "dims first.") from None
     _COMBINED[key] = combined
     return combined
+
+
+_CONCATENATED: dict[tuple[object, ...], DeviceMesh] = {}
+
+
+def concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """The mesh ``meshes[0]`` x ``meshes[1]`` x ... of slices of one root mesh, one object per list (no
+    process group is created: each dim keeps its slice's group). ``DeviceMesh._concatenate`` is the only
+    way torch offers to join slices of one root (its own fully_shard uses it for TP and dp_mesh_dims
+    parameters); this is its one use. Raises torch's RuntimeError for overlapping slices."""
+    if len(meshes) == 1:
+        return meshes[0]
+    key = (*_world_key(), *meshes)
+    if key not in _CONCATENATED:
+        _CONCATENATED[key] = DeviceMesh._concatenate(list(meshes))
+    return _CONCATENATED[key]
 
 
 def describe_mesh(mesh: DeviceMesh) -> str:

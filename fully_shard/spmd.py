@@ -12,7 +12,9 @@ combined mesh (FSDP dims first) with torch 2.13's placements::
 
 With ``dp_mesh_dims`` the parameter is a DTensor on the full SPMD mesh, ``Replicate()`` on the
 data-parallel dims; the FSDP shard dim's placement becomes ``Shard(d)`` (``_StridedShard`` when a later
-mesh dim shards ``d`` too) and every other placement is kept.
+mesh dim shards ``d`` too) and every other placement is kept. Several shard dims: the sharded
+parameter's mesh has one flattened shard axis in their place (torch's); replicate only (DDP-like):
+the parameter keeps its mesh and placements, gradients are all-reduced over the replicate dims.
 
 The gathered (unsharded) parameter is the original DTensor again (local tensor: this rank's TP shard),
 so the TP layouts of ``parallelize_module`` apply unchanged in forward and backward.
@@ -30,7 +32,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 # each TP shard): only the private class exists; used here and nowhere else.
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .mesh import MeshInfo, concatenate_meshes, describe_mesh
+from .mesh import MeshInfo, concatenate, concatenate_meshes, describe_mesh
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,40 @@ def _spmd_spec(param: DTensor, fqn: str, mesh_info: MeshInfo, shard_dim: int) ->
             if _shard_dim_of(placements[j]) == shard_dim and param.dim() > 0:
                 later *= full.size(j)
         new[idx] = _StridedShard(shard_dim, split_factor=later) if later > 1 else Shard(shard_dim)
-    return ParamSpec(full, tuple(new), placements, full, placements, frozenset(dp_index.values()))
+    dp_dims = frozenset(dp_index.values())
+    if len(dims.shard_names) <= 1:  # the sharded parameter stays on the full mesh (DDP-like: placements kept)
+        return ParamSpec(full, tuple(new), placements, full, placements, dp_dims)
+    mesh, sharded, replicated = _flattened_spec(full, mesh_info, tuple(new), placements)
+    return ParamSpec(mesh, sharded, replicated, full, placements, dp_dims)
+
+
+def _flattened_spec(full: DeviceMesh, mesh_info: MeshInfo, new: tuple[Placement, ...],
+                    placements: tuple[Placement, ...]) -> tuple[DeviceMesh, tuple[Placement, ...],
+                                                              tuple[Placement, ...]]:
+    """Several shard dims (adjacent, checked in mesh.py): the sharded parameter has one shard axis, the
+    flattened FSDP mesh, where those dims were (HSDP: the (replicate, shard) FSDP mesh there, the
+    replicate dims dropped from their places), as torch 2.13's; the other dims keep their placements."""
+    dims = mesh_info.dp_mesh_dims
+    assert dims is not None
+    names = full.mesh_dim_names or ()
+    hsdp = mesh_info.replicate_group is not None
+    first = names.index(dims.shard_names[0])
+    meshes: list[DeviceMesh] = []
+    sharded: list[Placement] = []
+    replicated: list[Placement] = []
+    for i, name in enumerate(names):
+        if (name in dims.shard_names and i != first) or name in dims.replicate_names:
+            continue
+        if i == first:
+            meshes.append(mesh_info.mesh)
+            lead = [Replicate()] if hsdp else []
+            sharded += [*lead, new[i]]
+            replicated += [*lead, Replicate()]
+        else:
+            meshes.append(full[name])
+            sharded.append(new[i])
+            replicated.append(placements[i])
+    return concatenate(meshes), tuple(sharded), tuple(replicated)
 
 
 def _shard_dim_of(p: Placement) -> int | None:
