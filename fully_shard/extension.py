@@ -33,6 +33,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .layout import contiguous_stride
+
 if TYPE_CHECKING:
     from .param import ShardedParam
     from .policy import MixedPrecisionPolicy
@@ -153,7 +155,7 @@ class Extension:
             result = hook(mesh)
         else:
             size = torch.Size(self.param.global_shape)
-            result = hook(mesh, size, _contiguous_stride(size), self.param.module, mp_policy)
+            result = hook(mesh, size, contiguous_stride(size), self.param.module, mp_policy)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError(f"{self.param.fqn}: {self.type_name}.{PRE_HOOK} returned {type(result).__name__}; "
                             "expected a tuple (inputs, metadata). Fix: return (tuple_of_tensors, metadata).")
@@ -228,7 +230,7 @@ class Extension:
         unsharded, self.inner = result[0], tuple(result[1])
         size = torch.Size(self.param.global_shape)
         if unsharded.shape != size or not unsharded.is_contiguous():
-            unsharded = torch.as_strided(unsharded, size, _contiguous_stride(size), storage_offset=0)
+            unsharded = torch.as_strided(unsharded, size, contiguous_stride(size), storage_offset=0)
         self.param.unsharded_param = nn.Parameter(unsharded, requires_grad=self.param.requires_grad)
 
     def alloc(self) -> None:
@@ -244,14 +246,6 @@ class Extension:
 
     def allocated(self) -> bool:
         return bool(self.outputs) and self.outputs[0].untyped_storage().size() > 0
-
-
-def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for dim in reversed(size):
-        stride.append(acc)
-        acc *= max(dim, 1)
-    return tuple(reversed(stride))
 
 
 def param_dtype_for(param: ShardedParam, mp_policy: MixedPrecisionPolicy) -> torch.dtype:

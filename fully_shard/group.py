@@ -233,7 +233,7 @@ class ParamGroup(GroupReduce):
         with torch.no_grad():
             out = self._copy_in(partial)
             pending = self._issue_all_gather(out, over)
-        event = self._emit(trace.EventKind.ALL_GATHER, phase, nbytes=_nbytes(out),
+        event = self._emit(trace.EventKind.ALL_GATHER, phase, nbytes=out.nbytes,
                            group_size=over.world, prefetch=prefetch, timing=pending.timing)
         self._pending_unshard = (out, pending, event)
 
@@ -332,7 +332,7 @@ class ParamGroup(GroupReduce):
         new = GroupState.PARTIALLY_SHARDED if keep else GroupState.SHARDED
         self._transition({GroupState.UNSHARDED}, new, "reshard")
         kept = self._partial_shard if keep else None
-        self._emit(trace.EventKind.RESHARD, phase, nbytes=_nbytes(kept) if kept is not None else 0)
+        self._emit(trace.EventKind.RESHARD, phase, nbytes=kept.nbytes if kept is not None else 0)
 
     def reset(self) -> None:
         """``reset_iter_state``: finish the all-gather in flight, drop the failed step's reduces and
@@ -354,7 +354,3 @@ class ParamGroup(GroupReduce):
         lines = [f"ParamGroup({self.fqn or '<root>'}, {self.state.name}, {len(self.params)} params)"]
         lines += [f"  {p!r}" for p in self.params]
         return "\n".join(lines)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

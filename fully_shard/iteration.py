@@ -5,11 +5,7 @@ See design/hooks.md ("Recovering from an exception") and design/streams.md ("Sev
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch.nn as nn
-
-from .state import FSDPState, TrainingState, get_state, states_under
+from .state import FSDPState, TrainingState, states_under
 from .streams import CommContext
 
 
@@ -39,20 +35,13 @@ def reset_iter_state(state: FSDPState) -> None:
         root.forward_order.clear()
 
 
-def share_comm_ctx(modules: list[Any]) -> None:
+def share_comm_ctx(states: list[FSDPState]) -> None:
     """Let several roots (pipeline-parallel model chunks, each its own fully_shard root) share one
     communication context: the same streams and the same all-gather / reduce-scatter buffer
     bookkeeping, so buffers are not fragmented across per-root streams. Call it on every rank, before
     or after the first forward; each root keeps its own forward order and reduce queue."""
-    if not modules:
+    if not states:
         return
-    states = []
-    for module in modules:
-        st = get_state(module) if isinstance(module, nn.Module) else None
-        if st is None:
-            raise ValueError(f"share_comm_ctx expects modules passed to fully_shard, got {type(module).__name__}. "
-                             "Fix: call fully_shard(module) on each model chunk first.")
-        states.append(st)
     first = states[0]
     comm = first.root.comm if first.root is not None else (first.shared_comm or CommContext(first.device))
     for st in states:

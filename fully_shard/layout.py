@@ -16,6 +16,15 @@ import math
 from dataclasses import dataclass
 
 
+def contiguous_stride(shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (0-size dims count as 1, as torch's)."""
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
 @dataclass(frozen=True)
 class DimZeroLayout:
     """Where one tensor's rows live when it is sharded along dim 0 over ``world`` ranks.

@@ -286,7 +286,7 @@ def _state_of(module: Any, method: str) -> FSDPState:
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
     """Several roots (pipeline chunks) share one communication context (streams, buffers); see
     ``iteration.share_comm_ctx``."""
-    iteration.share_comm_ctx(modules)
+    iteration.share_comm_ctx([_state_of(m, "share_comm_ctx") for m in modules])
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

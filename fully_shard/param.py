@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
 
 from . import extension
-from .layout import DimZeroLayout
+from .layout import DimZeroLayout, contiguous_stride
 from .mesh import MeshInfo
 from .spmd import ParamSpec, local_grad, spec_of
 
@@ -78,10 +79,13 @@ class ShardedParam:
 
     def _wrap_local(self, local: torch.Tensor) -> DTensor:
         placements = self.spec.replicated if self.layout.replicated else self.spec.sharded
-        dtensor = DTensor.from_local(local, self.spec.mesh, placements, run_check=False,
-                                     shape=torch.Size(self.global_shape),
-                                     stride=_contiguous_stride(self.global_shape))
+        dtensor = self._dtensor(local, self.spec.mesh, placements)
         return nn.Parameter(dtensor, requires_grad=self.requires_grad)  # type: ignore[return-value]
+
+    def _dtensor(self, local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
+        """``local`` as this parameter's DTensor on ``mesh`` (its global shape, contiguous strides)."""
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(self.global_shape),
+                                  stride=contiguous_stride(self.global_shape))
 
     def moved(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (this parameter's shape) with the shard dim first: the communication layout."""
@@ -131,9 +135,7 @@ class ShardedParam:
             local_grad = local_grad.to(self.storage_device, non_blocking=True)
         existing = self.sharded_param.grad
         if not isinstance(existing, DTensor):
-            self.sharded_param.grad = DTensor.from_local(
-                local_grad, self.spec.mesh, self.sharded_param.placements, run_check=False,
-                shape=torch.Size(self.global_shape), stride=_contiguous_stride(self.global_shape))
+            self.sharded_param.grad = self._dtensor(local_grad, self.spec.mesh, self.sharded_param.placements)
         else:
             with torch.no_grad():
                 existing.to_local().add_(local_grad)
@@ -170,9 +172,7 @@ class ShardedParam:
             return view
         assert self.spec.unsharded_mesh is not None and self.spec.unsharded is not None
         with torch.no_grad():
-            return DTensor.from_local(view, self.spec.unsharded_mesh, self.spec.unsharded, run_check=False,
-                                      shape=torch.Size(self.global_shape),
-                                      stride=_contiguous_stride(self.global_shape))
+            return self._dtensor(view, self.spec.unsharded_mesh, self.spec.unsharded)
 
     @property
     def staged_gather(self) -> bool:
@@ -285,11 +285,3 @@ class ShardedParam:
                     dims[d] += f"@{name}/{mesh.size(i)}"
             tp = f" {self.spec.describe()}"
         return f"{fqn} {dtype_name(self.orig_dtype)}[{', '.join(dims)}] {state}{tp}"
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))

@@ -138,7 +138,7 @@ class GroupReduce:
         if ctx.accelerated:  # keep the input until its collective is done (see streams.py)
             ctx.hold_reduce_scatter_input(inp, pending.event)
         self._emit(trace.EventKind.REDUCE_SCATTER, trace.Phase.BACKWARD,
-                   nbytes=_nbytes(inp), group_size=self.mesh_info.shard_world, timing=pending.timing)
+                   nbytes=inp.nbytes, group_size=self.mesh_info.shard_world, timing=pending.timing)
         output: torch.Tensor | None = out
         all_reduce = None
         if self.mesh_info.replicate_group is not None:
@@ -210,7 +210,7 @@ class GroupReduce:
         pending = ctx.issue("all_reduce", lambda a: collectives.all_reduce(output, group, ops.all_reduce,
                                                                            async_op=a))
         self._emit(trace.EventKind.ALL_REDUCE, trace.Phase.BACKWARD,
-                   nbytes=_nbytes(output), group_size=self.mesh_info.replicate_world, timing=pending.timing)
+                   nbytes=output.nbytes, group_size=self.mesh_info.replicate_world, timing=pending.timing)
         return output, pending
 
     def _assign_grads(self, output: torch.Tensor, params: list[ShardedParam], flat: FlatLayout) -> None:
@@ -223,9 +223,6 @@ class GroupReduce:
                 p.set_sharded_grad(local)
                 p.run_post_accumulate_grad_hooks()
 
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class ReduceQueue:

@@ -90,11 +90,7 @@ def _tp_spec(param: DTensor, fqn: str, mesh_info: MeshInfo, shard_dim: int) -> P
             f"parameter {fqn!r} is a DTensor on a {tp_mesh.device_type!r} mesh but the FSDP mesh is on "
             f"{mesh_info.mesh.device_type!r}. Fix: build both from one init_device_mesh(...) call.")
     combined = concatenate_meshes(mesh_info.mesh, tp_mesh, fqn)
-    tp_shards = 1
-    for dim, p in zip(range(tp_mesh.ndim), tp_placements):
-        if _shard_dim_of(p) == shard_dim and param.dim() > 0:
-            tp_shards *= tp_mesh.size(dim)
-    fsdp: Placement = _StridedShard(shard_dim, split_factor=tp_shards) if tp_shards > 1 else Shard(shard_dim)
+    fsdp = _fsdp_placement(shard_dim, param.dim(), [(tp_mesh.size(d), tp_placements[d]) for d in range(tp_mesh.ndim)])
     lead = (Replicate(),) if mesh_info.mesh.ndim == 2 else ()  # HSDP: replicated over the replica dim
     return ParamSpec(combined, (*lead, fsdp, *tp_placements), (*lead, Replicate(), *tp_placements),
                      tp_mesh, tp_placements)
@@ -122,11 +118,8 @@ def _spmd_spec(param: DTensor, fqn: str, mesh_info: MeshInfo, shard_dim: int) ->
     new = list(placements)
     for name in dims.shard_names:
         idx = dp_index[name]
-        later = 1
-        for j in range(idx + 1, full.ndim):
-            if _shard_dim_of(placements[j]) == shard_dim and param.dim() > 0:
-                later *= full.size(j)
-        new[idx] = _StridedShard(shard_dim, split_factor=later) if later > 1 else Shard(shard_dim)
+        later = [(full.size(j), placements[j]) for j in range(idx + 1, full.ndim)]
+        new[idx] = _fsdp_placement(shard_dim, param.dim(), later)
     dp_dims = frozenset(dp_index.values())
     if len(dims.shard_names) <= 1:  # the sharded parameter stays on the full mesh (DDP-like: placements kept)
         return ParamSpec(full, tuple(new), placements, full, placements, dp_dims)
@@ -161,6 +154,17 @@ def _flattened_spec(full: DeviceMesh, mesh_info: MeshInfo, new: tuple[Placement,
             sharded.append(new[i])
             replicated.append(placements[i])
     return concatenate(meshes), tuple(sharded), tuple(replicated)
+
+
+def _fsdp_placement(shard_dim: int, ndim: int, later: list[tuple[int, Placement]]) -> Placement:
+    """FSDP's placement on its shard axis: ``Shard(d)``, or ``_StridedShard(d, split_factor=n)`` when the
+    mesh dims after it (``later``: their sizes and placements) also shard tensor dim ``d``, ``n`` the
+    product of their sizes (the dp chunks are taken of each of their shards)."""
+    split = 1
+    for size, p in later:
+        if _shard_dim_of(p) == shard_dim and ndim > 0:
+            split *= size
+    return _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
 
 
 def _shard_dim_of(p: Placement) -> int | None:
