@@ -213,6 +213,14 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGrou
     return _reduce_scatter_fn()(out, inp, op=op, group=group, async_op=async_op)
 
 
+def reduce_scatter_is_all_reduce(group: dist.ProcessGroup) -> bool:
+    """gloo's reduce-scatter is an all-reduce of a copy of the input (then a copy-out of this rank's
+    segment at ``wait``): on gloo the library all-reduces its own reduce input in place instead, same
+    bits and bytes on the wire, one input-sized copy less, and the input is the only buffer in flight
+    (design/data-path.md)."""
+    return str(dist.get_backend(group)) == "gloo"
+
+
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None,
                op: dist.ReduceOp | dist.ReduceOp.RedOpType, *, async_op: bool = False) -> dist.Work | None:
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)

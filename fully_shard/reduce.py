@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,6 +76,7 @@ class _PendingReduce:
     reduce_scatter: Pending
     all_reduce: Pending | None  # HSDP: issued right after the reduce-scatter, waited with it
     cpu_input: torch.Tensor | None  # CPU: kept alive until the async work is waited
+    in_place: bool  # gloo: cpu_input was all-reduced in place; this rank's row of it is the output
     params: list[ShardedParam]  # whose grads the output holds, at ``flat``'s offsets
     flat: FlatLayout
     ops: ReduceOps
@@ -128,13 +130,20 @@ class GroupReduce:
             del grads
             if ops.pre_divide is not None:
                 inp.div_(ops.pre_divide)
-            rs_stream = ctx.stream("reduce_scatter")
-            ctx.wait_stream(rs_stream, ctx.current_stream())
-            with ctx.on(rs_stream):
-                out = collectives.allocate(alloc, flat.shard_numel, self.reduce_dtype, self.device)
             group = settings.group or self.mesh_info.shard_group
-            pending = ctx.issue("reduce_scatter", lambda a: collectives.reduce_scatter(
-                out, inp, group, ops.reduce_scatter, a, comm=settings.comm))
+            in_place = (not ctx.accelerated and settings.comm is None and self.mesh_info.replicate_group is None
+                        and inp.numel() != flat.shard_numel and collectives.reduce_scatter_is_all_reduce(group))
+            out: torch.Tensor | None = None
+            if in_place:  # gloo: all-reduce our own input in place instead of a copy of it (see below)
+                pending = ctx.issue("reduce_scatter", lambda a: collectives.all_reduce(
+                    inp, group, ops.reduce_scatter, async_op=a))
+            else:
+                rs_stream = ctx.stream("reduce_scatter")
+                ctx.wait_stream(rs_stream, ctx.current_stream())
+                with ctx.on(rs_stream):
+                    out = collectives.allocate(alloc, flat.shard_numel, self.reduce_dtype, self.device)
+                pending = ctx.issue("reduce_scatter", lambda a: collectives.reduce_scatter(
+                    out, inp, group, ops.reduce_scatter, a, comm=settings.comm))
         if ctx.accelerated:  # keep the input until its collective is done (see streams.py)
             ctx.hold_reduce_scatter_input(inp, pending.event)
         self._emit(trace.EventKind.REDUCE_SCATTER, trace.Phase.BACKWARD,
@@ -142,10 +151,26 @@ class GroupReduce:
         output: torch.Tensor | None = out
         all_reduce = None
         if self.mesh_info.replicate_group is not None:
+            assert out is not None  # in_place excludes HSDP
             output, all_reduce = self._all_reduce_replicas(out, pending, ops)
-        cpu_input = None if ctx.accelerated else inp
-        self._pending_reduces.append(_PendingReduce(output, pending, all_reduce, cpu_input, params, flat, ops))
+        # CPU: the input stays alive until waited where the backend's work handle is all we hold (a
+        # future-less backend) and where it is all-reduced in place; a future lets it go when done.
+        cpu_input = inp if in_place or pending.work is not None else None
+        item = _PendingReduce(output, pending, all_reduce, cpu_input, in_place, params, flat, ops)
+        if in_place and pending.future is not None:
+            pending.future = pending.future.then(partial(self._take_row, item))
+        self._pending_reduces.append(item)
         return True
+
+    def _take_row(self, item: _PendingReduce, done: torch.futures.Future[Any] | None = None) -> None:
+        """gloo's thread, as soon as an in-place all-reduce is done: copy this rank's row out as the
+        output and let the input go (the backend's work drops its own reference right after), so an
+        in-flight reduce holds its input only while it runs, not until it is waited."""
+        if done is not None:
+            done.value()  # re-raises the collective's error (then the chained future carries it)
+        assert item.cpu_input is not None
+        item.output = item.cpu_input.view(-1, item.flat.shard_numel)[self.mesh_info.shard_rank].clone()
+        item.cpu_input = None
 
     def finish_reduces(self) -> None:
         """Wait for this group's reduce-scatters (and HSDP all-reduces); run the all-reduce hook and the
@@ -156,6 +181,8 @@ class GroupReduce:
             item.reduce_scatter.wait(self._comm)
             if item.all_reduce is not None:
                 item.all_reduce.wait(self._comm)
+            if item.in_place and item.cpu_input is not None:  # no future: the row is taken here
+                self._take_row(item)
             if item.output is not None:
                 self._run_all_reduce_hook(item.output)
                 if item.ops.post_divide is not None and item.ops.post_divide != 1:
@@ -235,12 +262,18 @@ class ReduceQueue:
     ``max_in_flight``: 2 on accelerators (one behind the next unit's backward while the newest is
     issued); 1 on CPU (torch's default): a unit's reduce-scatter runs in gloo's thread behind the next
     unit's backward and is finished just before that unit allocates its own, so two reduce inputs never
-    coexist. ``max_in_flight = 0`` finishes each reduce at once (no overlap). Figures in
+    coexist. ``max_in_flight = 0`` finishes each reduce at once (no overlap).
+
+    On CPU the first reduce of a backward (the last unit's) is finished at once even so
+    (``first_at_once``): it would overlap the second unit's backward, where the activations still held
+    make the step's memory peak; further on, the units behind have freed theirs. Figures in
     benchmarks/README.md; design/data-path.md."""
 
     def __init__(self, *, accelerated: bool) -> None:
         self.max_in_flight = 2 if accelerated else 1
+        self.first_at_once = not accelerated
         self._groups: deque[GroupReduce] = deque()
+        self._pushed = 0  # reduces pushed since the last drain: 0 = the next is a backward's first
 
     def _limit(self, group: GroupReduce | None) -> int:
         k = group.reduce_settings.max_input_buffers if group is not None else None
@@ -255,13 +288,18 @@ class ReduceQueue:
         if group not in self._groups:
             self._groups.append(group)
         limit = self._limit(group)
+        if self._pushed == 0 and self.first_at_once and group.reduce_settings.max_input_buffers is None:
+            limit = 0
+        self._pushed += 1
         while len(self._groups) > limit:  # 0: finish right away (no overlap)
             self._groups.popleft().finish_reduces()
 
     def drain(self) -> None:
         while self._groups:
             self._groups.popleft().finish_reduces()
+        self._pushed = 0
 
     def discard(self) -> None:
         """``reset_iter_state``: forget the queued groups (each discards its own reduces)."""
         self._groups.clear()
+        self._pushed = 0

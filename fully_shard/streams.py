@@ -26,9 +26,16 @@ from . import trace
 
 @dataclass
 class Pending:
-    """A collective in flight: a c10d work handle (CPU) or an event on its stream (accelerator)."""
+    """A collective in flight: its future (CPU; the work handle where the backend has none) or an event
+    on its stream (accelerator).
+
+    On CPU only the future is kept, not the work: the backend holds the work, and with it the
+    collective's input and its own temporaries, until the collective is done, then drops them in its
+    thread. So a reduce-scatter input is freed when its collective ends, not when it is waited
+    (design/streams.md)."""
 
     work: dist.Work | None = None
+    future: torch.futures.Future[Any] | None = None
     event: Any = None  # torch.Event recorded on the collective's stream after it was issued
     waited: bool = False
     timing: trace.CollectiveTiming | None = None  # only while a trace observer is registered
@@ -40,7 +47,9 @@ class Pending:
         t0 = time.perf_counter() if timing is not None else 0.0
         if timing is not None and self.event is not None:
             timing.reached = ctx.timing_event(ctx.current_stream())
-        if self.work is not None:
+        if self.future is not None:
+            self.future.wait()
+        elif self.work is not None:
             self.work.wait()
         if self.event is not None:
             ctx.current_stream().wait_event(self.event)
@@ -50,6 +59,8 @@ class Pending:
         self.waited = True
 
     def done(self) -> bool:
+        if self.future is not None:
+            return bool(self.future.done())
         if self.work is not None:
             return bool(self.work.is_completed())
         if self.event is not None:
@@ -164,9 +175,12 @@ class CommContext:
         timing = trace.CollectiveTiming() if trace.enabled() else None
         if not self.accelerated:
             work = fn(True)
-            if timing is not None and work is not None:
-                _time_completion(work, timing)
-            return Pending(work=work, timing=timing)
+            if work is None:
+                return Pending(timing=timing)
+            future = _future_of(work)
+            if timing is not None:
+                _time_completion(future, timing)
+            return Pending(work=work if future is None else None, future=future, timing=timing)
         stream = self.stream(stream_name)
         with self.on(stream):
             if timing is None:
@@ -178,10 +192,17 @@ class CommContext:
             return Pending(event=timing.end, timing=timing)
 
 
-def _time_completion(work: dist.Work, timing: trace.CollectiveTiming) -> None:
+def _future_of(work: dist.Work) -> torch.futures.Future[Any] | None:
+    try:
+        return work.get_future()
+    except RuntimeError:  # a backend without futures: keep the work handle
+        return None
+
+
+def _time_completion(future: torch.futures.Future[Any] | None, timing: trace.CollectiveTiming) -> None:
     """Tracing on CPU: stamp ``timing.t_done`` from the backend's thread when the work completes."""
     def done(_: Any) -> None:
         timing.t_done = time.perf_counter()
 
-    with contextlib.suppress(RuntimeError):  # no future on this backend: the profiler uses the wait's end
-        work.get_future().add_done_callback(done)
+    if future is not None:  # else the profiler uses the wait's end
+        future.add_done_callback(done)

@@ -88,10 +88,12 @@ def _event_order() -> list[list[str]]:
         # backward: the root kept its params (reshard_after_forward=None -> False for the root)
         # (a unit reshards as soon as its grads are taken, then reduce-scatters them: lower peak memory)
         "all_gather blocks.2", "unshard blocks.2", "reshard blocks.2", "reduce_scatter blocks.2",
-        # one reduce-scatter stays in flight behind the next unit's backward; it is finished (grads
-        # assigned) just before that unit takes its grads and allocates its own reduce buffers
-        "all_gather blocks.1", "unshard blocks.1", "reduce_done blocks.2", "reshard blocks.1",
-        "reduce_scatter blocks.1",
+        # on CPU a backward's first reduce (the last unit's) is finished at once: it would overlap
+        # the second unit's backward, where most activations are still held (the memory peak)
+        "reduce_done blocks.2",
+        # from then on one reduce-scatter stays in flight behind the next unit's backward; it is
+        # finished (grads assigned) just before that unit takes its grads and allocates its own buffers
+        "all_gather blocks.1", "unshard blocks.1", "reshard blocks.1", "reduce_scatter blocks.1",
         "all_gather blocks.0", "unshard blocks.0", "reduce_done blocks.1", "reshard blocks.0",
         "reduce_scatter blocks.0",
         "reduce_done blocks.0", "reshard <root>", "reduce_scatter <root>",

@@ -1,0 +1,91 @@
+"""On gloo the reduce-scatter is an in-place all-reduce of the library's own reduce input (design/data-path.md):
+bitwise the same gradients as gloo's own reduce-scatter, and the input is let go when the collective ends,
+before the host waits for it."""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from fully_shard import collectives
+from fully_shard.reduce import GroupReduce, ReduceQueue
+from tests.core.common import local_slice, shard_gpt
+from tests.distributed.counting import CountCollectives
+from tests.distributed.harness import distributed
+from tests.models import TinyGPT, batches, loss_fn
+
+
+def _grads(in_place: bool) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    original = collectives.reduce_scatter_is_all_reduce
+    if not in_place:
+        collectives.reduce_scatter_is_all_reduce = lambda group: False  # type: ignore[assignment]
+    try:
+        torch.manual_seed(0)
+        model = shard_gpt(TinyGPT(n_blocks=2))
+        x, y = batches(1)[0]
+        loss = loss_fn(model(local_slice(x)), local_slice(y))
+        with CountCollectives() as counted:
+            loss.backward()
+        raw = {k: v for k, v in counted.counts.items()}
+        return {n: p.grad.to_local().clone() for n, p in model.named_parameters()}, raw
+    finally:
+        collectives.reduce_scatter_is_all_reduce = original  # type: ignore[assignment]
+
+
+@distributed(world_size=4)
+def _same_as_gloo_reduce_scatter() -> dict[str, Any]:
+    ours, counts = _grads(in_place=True)
+    gloo, gloo_counts = _grads(in_place=False)
+    different = [n for n in ours if not torch.equal(ours[n], gloo[n])]
+    return {"different": different, "counts": counts, "gloo_counts": gloo_counts}
+
+
+def test_in_place_all_reduce_is_bitwise_gloo_reduce_scatter() -> None:
+    for rank in _same_as_gloo_reduce_scatter():  # 4 ranks, TinyGPT's uneven shards and 0-dim params
+        assert rank["different"] == [], rank["different"]
+        # counted as the operation (tests/distributed/counting.py): one per unit, as with gloo's own
+        assert rank["counts"] == rank["gloo_counts"], (rank["counts"], rank["gloo_counts"])
+
+
+@distributed(world_size=2)
+def _released_before_wait() -> list[dict[str, Any]]:
+    seen: list[dict[str, Any]] = []
+    push = ReduceQueue.push
+
+    def checking_push(self: ReduceQueue, group: GroupReduce) -> None:
+        item = group._pending_reduces[-1]
+        record: dict[str, Any] = {"in_place": item.in_place}
+        if item.in_place:
+            assert item.cpu_input is not None or item.reduce_scatter.done()
+            inp = weakref.ref(item.cpu_input) if item.cpu_input is not None else None
+            deadline = time.monotonic() + 30
+            while not item.reduce_scatter.done():  # both ranks issued it: gloo's thread completes it
+                assert time.monotonic() < deadline, "the all-reduce did not complete"
+                time.sleep(0.001)
+            gc.collect()
+            record.update(dropped=item.cpu_input is None, freed=inp is None or inp() is None,
+                          output=item.output is not None and item.output.numel() == item.flat.shard_numel)
+        seen.append(record)
+        push(self, group)
+
+    ReduceQueue.push = checking_push  # type: ignore[method-assign]
+    try:
+        torch.manual_seed(0)
+        model = shard_gpt(TinyGPT(n_blocks=2))
+        x, y = batches(1)[0]
+        loss_fn(model(local_slice(x)), local_slice(y)).backward()
+    finally:
+        ReduceQueue.push = push  # type: ignore[method-assign]
+    return seen
+
+
+def test_input_released_when_the_all_reduce_completes() -> None:
+    for seen in _released_before_wait():
+        assert len(seen) == 3 and all(r["in_place"] for r in seen), seen  # two blocks and the root
+        for record in seen:  # before any wait: the row was taken and the input freed in gloo's thread
+            assert record["dropped"] and record["freed"] and record["output"], record
+
