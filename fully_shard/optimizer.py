@@ -15,6 +15,7 @@ The same hook refuses an optimizer that holds parameters ``fully_shard`` replace
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import operator
@@ -28,7 +29,13 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import SGD, Adam, AdamW, Optimizer
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    _device_dtype_check_for_fused,
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from . import step_lists
 
 __all__ = ["StepPath", "get_step_path", "set_step_path"]
 
@@ -73,6 +80,8 @@ def _views_with_grad() -> list[Iterable[torch.Tensor]]:
         views = _thread.with_grad = []
     return views
 _installed = False
+# torch-internal; without it the bulk reads are slower, not different (design/optimizer-step.md, Limits)
+_no_torch_function: Callable[[], Any] = getattr(torch._C, "DisableTorchFunctionSubclass", contextlib.nullcontext)
 
 
 def set_step_path(path: StepPath) -> StepPath:
@@ -142,7 +151,7 @@ def _pre_step(optimizer: Optimizer, args: tuple[Any, ...],
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if _path is StepPath.DTENSOR or state_keys is None or closure is not None:
         return None  # a closure computes the gradients inside step(): after the view would be taken
-    with torch.no_grad():
+    with torch.no_grad(), _no_torch_function():  # DTensor .grad reads: ~3x faster
         view = _local_optimizer(optimizer, plan, state_keys)
     if view is None:
         _drop_local_grads()
@@ -184,7 +193,12 @@ _is = operator.is_
 _grad_of = operator.attrgetter("grad")
 _token_of = operator.attrgetter(_TOKEN_ATTR)
 _placements_of = operator.attrgetter("placements")
+_shape_of, _dtype_of = operator.attrgetter("shape"), operator.attrgetter("dtype")
 _first, _second = operator.itemgetter(0), operator.itemgetter(1)
+
+
+def _is_not_none(x: object) -> bool:
+    return x is not None
 
 
 @dataclass(eq=False, slots=True)
@@ -207,11 +221,17 @@ class _LocalGroup:
     local_params: list[torch.Tensor]  # handed to step(): ours replaced by their views
     slots: list[_Slot]
     mirrored: bool = False  # every slot's entry was checked (then ``entries``, ``lengths`` and ``columns`` hold it)
+    # step_lists: the state key per _init_group list (None: the group's lists are handed over via .grad)
+    ready_keys: tuple[str | None, ...] | None = None
+    ready_result: bool = False  # _init_group's return value for this group (has_complex / has_sparse_grad)
+    ready_states: tuple[tuple[Any, ...], ...] | None = None  # local state tensors per list, while mirrored
     # the slots' columns, compared in bulk each step
     ours: tuple[torch.Tensor, ...] = field(init=False)
     tokens: tuple[int, ...] = field(init=False)
     views: tuple[torch.Tensor, ...] = field(init=False)
     placements: tuple[tuple[Any, ...], ...] = field(init=False)
+    shapes: tuple[torch.Size, ...] = field(init=False)
+    dtypes: tuple[torch.dtype, ...] = field(init=False)
     entries: tuple[dict[str, Any], ...] = ()
     lengths: tuple[int, ...] = ()
     columns: tuple[tuple[Callable[[dict[str, Any]], Any], tuple[Any, ...]], ...] = ()  # (getter, values) per key
@@ -221,6 +241,8 @@ class _LocalGroup:
         self.tokens = tuple(slot.token for slot in self.slots)
         self.views = tuple(slot.local for slot in self.slots)
         self.placements = tuple(slot.placements for slot in self.slots)
+        self.shapes = tuple(map(_shape_of, self.views))
+        self.dtypes = tuple(map(_dtype_of, self.views))
         self.remember_entries(self.mirrored)
 
     def remember_entries(self, mirrored: bool) -> None:
@@ -278,11 +300,15 @@ def _local_optimizer(optimizer: Optimizer, plan: _Plan,
     local_state = plan.local_state
     local_state.real = state  # load_state_dict() replaces it
     unchanged = plan.snapshot is not None and plan.snapshot.matches(state)
+    local_cls = step_lists.local_class(type(optimizer))
     groups, any_local = [], False
+    ready_by_group: dict[int, step_lists.Ready] = {}
     for i, group in enumerate(optimizer.param_groups):
         keys = state_keys(group)
         cached = plan.groups.get(i)
-        if keys is None or cached is None or not _refresh(cached, group["params"], keys, state, local_state, unchanged):
+        refreshed = None if keys is None or cached is None else _refresh(
+            cached, group["params"], keys, state, local_state, unchanged, allow_ready=_may_be_ready(group))
+        if refreshed is None:
             _refuse_replaced(optimizer, group["params"])  # the group's list may have been edited
             if cached is not None:
                 for slot in plan.groups.pop(i).slots:
@@ -290,48 +316,94 @@ def _local_optimizer(optimizer: Optimizer, plan: _Plan,
             cached = None if keys is None else _build(group["params"], keys, state, local_state)
             if cached is not None:
                 plan.groups[i] = cached
+                if local_cls is not None:
+                    _prepare_ready(cached, type(optimizer), group)
         if cached is None or not cached.slots:
             groups.append(group)
         else:
             any_local = True
-            groups.append({**group, "params": cached.local_params})
+            local_group = {**group, "params": cached.local_params}
+            if isinstance(refreshed, step_lists.Ready):
+                ready_by_group[id(local_group)] = refreshed
+            groups.append(local_group)
     plan.snapshot = _StateSnapshot.of(state)
     if not any_local:
         return None
-    view = object.__new__(type(optimizer))
+    view = object.__new__(local_cls or type(optimizer))
     view.__dict__.update(optimizer.__dict__)  # defaults, hooks, grad_scale/found_inf set by GradScaler
     view.param_groups = groups
     view.state = local_state  # type: ignore[assignment]
+    view._fully_shard_ready = ready_by_group  # type: ignore[attr-defined]  # read by step_lists._init_group
     return view
 
 
+def _may_be_ready(group: dict[str, Any]) -> bool:
+    """What torch's Adam ``_init_group`` refuses (a tensor lr with foreach and not capturable) must go
+    through it, to raise as torch does."""
+    return not (group.get("foreach") and torch.is_tensor(group["lr"]) and not group.get("capturable"))
+
+
+def _prepare_ready(cached: _LocalGroup, cls: type[Optimizer], group: dict[str, Any]) -> None:
+    """Let a group of only our parameters take step_lists' ready path from its next step on."""
+    if not cached.slots or len(cached.local_params) != len(cached.slots):
+        return  # plain parameters in the group: torch's loop gathers them (with the views' .grad)
+    keys = step_lists.state_keys_of(cls, group)
+    if keys is None:
+        return
+    if group.get("fused"):
+        for view in cached.views:  # what torch's _init_group checks on a fused group
+            _device_dtype_check_for_fused(view)
+    cached.ready_keys = keys
+    cached.ready_result = cls is not SGD and any(map(torch.is_complex, cached.views))
+
+
 def _refresh(cached: _LocalGroup, params: list[torch.Tensor], keys: frozenset[str],
-             state: dict[Any, dict[str, Any]], local_state: _LocalState, state_unchanged: bool) -> bool:
-    """Hand this step's gradients to the cached views; False if anything the cache relies on changed."""
+             state: dict[Any, dict[str, Any]], local_state: _LocalState,
+             state_unchanged: bool, *, allow_ready: bool = True) -> step_lists.Ready | bool | None:
+    """Hand this step's gradients to the cached group: as ready lists (step_lists) when it has them,
+    else on the views' ``.grad`` (True); None if anything the cache relies on changed."""
     if (params is not cached.params or len(params) != len(cached.contents) or keys != cached.keys
             or not all(map(_is, params, cached.contents))):
-        return False
+        return None
     if not cached.slots:
         return True
     try:
         if tuple(map(_token_of, cached.ours)) != cached.tokens:
-            return False  # swap_tensors replaced a parameter's contents (and __dict__): its view is stale
+            return None  # swap_tensors replaced a parameter's contents (and __dict__): its view is stale
     except AttributeError:
-        return False
+        return None
     grads = tuple(map(_grad_of, cached.ours))
     local_grads = _local_grads(cached, grads)
     if local_grads is None:
-        return False
-    if keys and not (state_unchanged and cached.entries_unchanged()) and \
-            not _check_entries(cached, grads, keys, state, local_state):
-        return False
+        return None
+    if keys and not (state_unchanged and cached.entries_unchanged()):
+        cached.ready_states = None
+        if not _check_entries(cached, grads, keys, state, local_state):
+            return None
+    ready = _ready(cached, local_grads, local_state) if allow_ready else None
+    if ready is not None:
+        return ready
     _views_with_grad().append(cached.views)
     try:
         for view, local_grad in zip(cached.views, local_grads):
             view.grad = local_grad  # checks shape, dtype and device against the shard
     except RuntimeError:
-        return False
+        return None
     return True
+
+
+def _ready(cached: _LocalGroup, local_grads: tuple[torch.Tensor | None, ...],
+           local_state: _LocalState) -> step_lists.Ready | None:
+    """The group's lists for step_lists, when it takes that path and every parameter has a gradient
+    (else None: the views' .grad path, whose torch loop skips parameters without one)."""
+    if cached.ready_keys is None or not cached.mirrored or not all(map(_is_not_none, local_grads)):
+        return None
+    if cached.ready_states is None:  # after a (re-)mirror: the local state tensors per list, in slot order
+        entries = [local_state[view] for view in cached.views]
+        cached.ready_states = tuple(() if key is None else tuple(map(operator.itemgetter(key), entries))
+                                    for key in cached.ready_keys)
+    return step_lists.Ready(cached.views, local_grads, cached.ready_states,  # type: ignore[arg-type]
+                            cached.ready_result)
 
 
 class _GradProof(tuple):  # type: ignore[type-arg]
@@ -367,17 +439,21 @@ def _local_grads(cached: _LocalGroup, grads: tuple[Any, ...]) -> tuple[torch.Ten
         if tuple(map(_placements_of, grads)) != cached.placements:
             return None
         local_grads = tuple(map(DTensor.to_local, grads))
+        if tuple(map(_shape_of, local_grads)) != cached.shapes or tuple(map(_dtype_of, local_grads)) != cached.dtypes:
+            return None  # what the views' .grad setter would refuse (the ready path has no setter)
         for grad, new_proof in zip(grads, map(_GradProof, zip(cached.placements, local_grads))):
             setattr(grad, _GRAD_PROOF_ATTR, new_proof)
         return local_grads
     mixed: list[torch.Tensor | None] = []
-    for grad, proof, placements in zip(grads, proofs, cached.placements):
+    for grad, proof, placements, view in zip(grads, proofs, cached.placements, cached.views):
         if grad is None or (proof is not None and proof[0] is placements):
             mixed.append(None if grad is None else proof[1])
             continue
         if type(grad) is not DTensor or not _same(grad.placements, placements):
             return None
         local_grad = grad.to_local()
+        if local_grad.shape != view.shape or local_grad.dtype != view.dtype:
+            return None
         setattr(grad, _GRAD_PROOF_ATTR, _GradProof((placements, local_grad)))
         mixed.append(local_grad)
     return tuple(mixed)

@@ -109,11 +109,22 @@ def assert_bitwise(fast: nn.Module, fast_opt: torch.optim.Optimizer, slow: nn.Mo
 
 
 # --- bitwise against the DTensor path -------------------------------------------------------------
+def record_ready(opt: torch.optim.Optimizer) -> list[int]:
+    """Per step, how many param groups torch's step() got as ready lists (fully_shard/step_lists.py)."""
+    seen: list[int] = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(len(getattr(args[0], "_fully_shard_ready", ()))))
+    return seen
+
+
 @distributed(world_size=2)
 def _bitwise(name: str, flag: str) -> None:
-    fast_paths, slow_paths = lockstep(twins(make_optimizer(name, flag)), steps=4)
-    # the first step creates the states on the DTensor path (their types are exactly torch's)
+    pair = twins(make_optimizer(name, flag))
+    ready = record_ready(pair[0][1])
+    fast_paths, slow_paths = lockstep(pair, steps=4)
+    # the first step creates the states on the DTensor path (their types are exactly torch's); the
+    # second caches the views (handed over on their .grad); from the third on, ready lists
     assert fast_paths == ["dtensor", "local", "local", "local"], fast_paths
+    assert ready == [0, 0, 1, 1], ready
     assert slow_paths == ["dtensor"] * 4, slow_paths
 
 
@@ -138,8 +149,10 @@ def _training_features() -> None:
         scheds[id(opt)].step()
         opt.zero_grad(set_to_none=False)
 
+    ready = record_ready(pair[0][1])
     fast_paths, _ = lockstep(pair, steps=4, step=step)
     assert fast_paths == ["dtensor", "local", "local", "local"], fast_paths
+    assert ready == [0, 0, 1, 1], ready  # amsgrad's max_exp_avg_sqs and a tensor lr on the ready path
     assert pair[0][1].param_groups[0]["lr"] == 1e-2 * 0.5 ** 4
     (fast, fast_opt), (slow, slow_opt) = pair
     x, y = batches(1)[0]
@@ -197,6 +210,25 @@ def test_mixed_param_groups_ours_plain_and_torch_fully_shard() -> None:
     # step 1 creates the states (DTensor path); then the groups holding ours go local (plain params in
     # them step as they are), torch's fully_shard group and the empty group stay as they are
     assert seen == [["as is"] * 4] + [["local", "local", "as is", "as is"]] * 2, seen
+
+
+@distributed(world_size=2)
+def _some_without_grad() -> list[int]:
+    pair = twins(make_optimizer("adam", "foreach"))
+    ready = record_ready(pair[0][1])
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        next(model.parameters()).grad = None  # as if unused this step: torch's loop skips it
+        opt.step()
+        opt.zero_grad()
+
+    fast_paths, _ = lockstep(pair, steps=4, step=step)
+    assert fast_paths == ["dtensor", "local", "local", "local"], fast_paths
+    return ready
+
+
+def test_parameter_without_gradient_goes_through_torchs_loop() -> None:
+    assert _some_without_grad() == [[0, 0, 0, 0]] * 2  # per rank; bitwise (lockstep), on the views' .grad
 
 
 # --- robustness ------------------------------------------------------------------------------------

@@ -1,0 +1,89 @@
+"""Hand torch's own ``step()`` a param group's tensor lists ready-made, instead of its per-parameter loop.
+
+See design/optimizer-step.md ("Ready lists"). torch's SGD, Adam and AdamW ``step()`` gather each group's
+lists in ``self._init_group(group, params, grads, ...)``: a Python loop over the parameters reading
+``p.grad``, looking up ``self.state[p]`` (a Python-level ``Tensor.__hash__``) and appending. For a group
+whose stand-in lists optimizer.py already holds (the local views, their local gradients, the local
+state tensors, checked in bulk), that loop is redundant. The stand-in optimizer is an instance of a
+subclass of the real class that overrides only ``_init_group``: for a prepared group it extends the
+lists with the cached ones (same tensors, same order, so ``step()`` calls the same functional optimizer
+with the same arguments: the same kernels and bits), for any other group it runs torch's own loop.
+
+Only when ``_init_group``'s signature is the one this module was written against (torch 2.13's);
+otherwise ``local_class`` returns None and the stand-in keeps the real class (the views then carry
+``.grad``, as before).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim import SGD, Adam, AdamW, Optimizer
+
+__all__: list[str] = []
+
+# _init_group's parameters after (self, group) and, per name, the state key whose local tensors fill it.
+_LISTS: dict[type[Optimizer], tuple[tuple[str, str | None], ...]] = {
+    SGD: (("params", None), ("grads", None), ("momentum_buffer_list", "momentum_buffer")),
+    Adam: (("params_with_grad", None), ("grads", None), ("exp_avgs", "exp_avg"), ("exp_avg_sqs", "exp_avg_sq"),
+           ("max_exp_avg_sqs", "max_exp_avg_sq"), ("state_steps", "step")),
+}
+_LISTS[AdamW] = _LISTS[Adam]
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """One param group's lists, in ``_init_group``'s order: the local views with a gradient, their
+    local gradients, then per state list the local tensors (empty where the group keeps none, e.g.
+    ``max_exp_avg_sqs`` without amsgrad; a list of None for SGD's momentum without momentum, as torch)."""
+
+    params: Sequence[torch.Tensor]
+    grads: Sequence[torch.Tensor]
+    states: tuple[Sequence[Any], ...]
+    result: bool  # _init_group's return: has_sparse_grad (SGD) or has_complex (Adam), computed once
+
+
+def state_keys_of(cls: type[Optimizer], group: dict[str, Any]) -> tuple[str | None, ...] | None:
+    """Per state list of ``cls._init_group``, the state key it reads for ``group`` (None: a list torch
+    leaves empty, or fills with None for SGD without momentum); None when the class has no ready path."""
+    if local_class(cls) is None:
+        return None
+    keys: list[str | None] = []
+    for _, key in _LISTS[cls][2:]:
+        if key == "max_exp_avg_sq" and not group.get("amsgrad"):
+            key = None
+        if key == "momentum_buffer" and group["momentum"] == 0:
+            key = None  # SGD without momentum: torch appends nothing to this list
+        keys.append(key)
+    return tuple(keys)
+
+
+_classes: dict[type[Optimizer], type[Optimizer] | None] = {}
+
+
+def local_class(cls: type[Optimizer]) -> type[Optimizer] | None:
+    """The stand-in class for ``cls`` (exactly SGD, Adam or AdamW): ``cls`` with ``_init_group``
+    overridden to take ready lists; None if unsupported or ``_init_group`` is not the expected one."""
+    if cls in _classes:
+        return _classes[cls]
+    local: type[Optimizer] | None = None
+    names = tuple(name for name, _ in _LISTS.get(cls, ()))
+    if names and tuple(inspect.signature(cls._init_group).parameters)[2:] == names:  # type: ignore[attr-defined]
+        local = type(f"Local{cls.__name__}", (cls,), {"_init_group": _init_group, "__module__": __name__})
+    _classes[cls] = local
+    return local
+
+
+def _init_group(self: Any, group: dict[str, Any], *lists: list[Any]) -> bool:
+    ready: Ready | None = self._fully_shard_ready.get(id(group))
+    if ready is None:  # not prepared (a group with plain parameters, or on the views' .grad path)
+        return bool(super(type(self), self)._init_group(group, *lists))
+    lists[0].extend(ready.params)
+    lists[1].extend(ready.grads)
+    for out, values in zip(lists[2:], ready.states):
+        out.extend(values)
+    return ready.result
