@@ -33,6 +33,7 @@ def reset_iter_state(state: FSDPState) -> None:
     root.callback_queued = False  # autograd drops a failed backward's queued callbacks
     if not root.order_frozen:  # the first forward failed: record the order again
         root.forward_order.clear()
+        root.post_forward_order.clear()
 
 
 def share_comm_ctx(states: list[FSDPState]) -> None:

@@ -189,16 +189,13 @@ def _refuse_replaced(optimizer: Optimizer, params: list[torch.Tensor] | None = N
 # --- the local stand-in, cached per optimizer and re-validated every step --------------------------
 # The per-step checks read their columns in bulk (map over C getters): a Python loop per parameter
 # would cost about as much as a plain step's own per-parameter work (design/optimizer-step.md, Cache).
-_is = operator.is_
+_is, _is_not = operator.is_, operator.is_not
 _grad_of = operator.attrgetter("grad")
 _token_of = operator.attrgetter(_TOKEN_ATTR)
 _placements_of = operator.attrgetter("placements")
 _shape_of, _dtype_of = operator.attrgetter("shape"), operator.attrgetter("dtype")
 _first, _second = operator.itemgetter(0), operator.itemgetter(1)
 
-
-def _is_not_none(x: object) -> bool:
-    return x is not None
 
 
 @dataclass(eq=False, slots=True)
@@ -299,7 +296,12 @@ def _local_optimizer(optimizer: Optimizer, plan: _Plan,
     state = optimizer.state
     local_state = plan.local_state
     local_state.real = state  # load_state_dict() replaces it
-    unchanged = plan.snapshot is not None and plan.snapshot.matches(state)
+    snapshot_matched: list[bool] = []  # computed once, if a group needs it (none does for a plain optimizer)
+
+    def unchanged() -> bool:
+        if not snapshot_matched:
+            snapshot_matched.append(plan.snapshot is not None and plan.snapshot.matches(state))
+        return snapshot_matched[0]
     local_cls = step_lists.local_class(type(optimizer))
     groups, any_local = [], False
     ready_by_group: dict[int, step_lists.Ready] = {}
@@ -326,7 +328,8 @@ def _local_optimizer(optimizer: Optimizer, plan: _Plan,
             if isinstance(refreshed, step_lists.Ready):
                 ready_by_group[id(local_group)] = refreshed
             groups.append(local_group)
-    plan.snapshot = _StateSnapshot.of(state)
+    if any_local and snapshot_matched != [True]:  # else it would be the same objects again
+        plan.snapshot = _StateSnapshot.of(state)
     if not any_local:
         return None
     view = object.__new__(local_cls or type(optimizer))
@@ -359,7 +362,7 @@ def _prepare_ready(cached: _LocalGroup, cls: type[Optimizer], group: dict[str, A
 
 def _refresh(cached: _LocalGroup, params: list[torch.Tensor], keys: frozenset[str],
              state: dict[Any, dict[str, Any]], local_state: _LocalState,
-             state_unchanged: bool, *, allow_ready: bool = True) -> step_lists.Ready | bool | None:
+             state_unchanged: Callable[[], bool], *, allow_ready: bool = True) -> step_lists.Ready | bool | None:
     """Hand this step's gradients to the cached group: as ready lists (step_lists) when it has them,
     else on the views' ``.grad`` (True); None if anything the cache relies on changed."""
     if (params is not cached.params or len(params) != len(cached.contents) or keys != cached.keys
@@ -373,14 +376,15 @@ def _refresh(cached: _LocalGroup, params: list[torch.Tensor], keys: frozenset[st
     except AttributeError:
         return None
     grads = tuple(map(_grad_of, cached.ours))
-    local_grads = _local_grads(cached, grads)
-    if local_grads is None:
+    got = _local_grads(cached, grads)
+    if got is None:
         return None
-    if keys and not (state_unchanged and cached.entries_unchanged()):
+    local_grads, complete = got
+    if keys and not (state_unchanged() and cached.entries_unchanged()):
         cached.ready_states = None
         if not _check_entries(cached, grads, keys, state, local_state):
             return None
-    ready = _ready(cached, local_grads, local_state) if allow_ready else None
+    ready = _ready(cached, local_grads, local_state) if allow_ready and complete else None
     if ready is not None:
         return ready
     _views_with_grad().append(cached.views)
@@ -394,9 +398,9 @@ def _refresh(cached: _LocalGroup, params: list[torch.Tensor], keys: frozenset[st
 
 def _ready(cached: _LocalGroup, local_grads: tuple[torch.Tensor | None, ...],
            local_state: _LocalState) -> step_lists.Ready | None:
-    """The group's lists for step_lists, when it takes that path and every parameter has a gradient
-    (else None: the views' .grad path, whose torch loop skips parameters without one)."""
-    if cached.ready_keys is None or not cached.mirrored or not all(map(_is_not_none, local_grads)):
+    """The group's lists for step_lists, when it takes that path (the caller checked that every
+    parameter has a gradient; else torch's loop on the views' .grad skips those without one)."""
+    if cached.ready_keys is None or not cached.mirrored:
         return None
     if cached.ready_states is None:  # after a (re-)mirror: the local state tensors per list, in slot order
         entries = [local_state[view] for view in cached.views]
@@ -419,9 +423,10 @@ class _GradProof(tuple):  # type: ignore[type-arg]
         return type(None), ()
 
 
-def _local_grads(cached: _LocalGroup, grads: tuple[Any, ...]) -> tuple[torch.Tensor | None, ...] | None:
-    """The gradients' local tensors (None for a parameter without one); None if a gradient is not a
-    DTensor laid out like its parameter.
+def _local_grads(cached: _LocalGroup,
+                 grads: tuple[Any, ...]) -> tuple[tuple[torch.Tensor | None, ...], bool] | None:
+    """The gradients' local tensors (None for a parameter without one) and whether every parameter has
+    one; None if a gradient is not a DTensor laid out like its parameter.
 
     A gradient checked once carries the proof on itself (``_GRAD_PROOF_ATTR``: its parameter's
     placements object and its local tensor, which it holds anyway), so a gradient that outlives the
@@ -431,7 +436,7 @@ def _local_grads(cached: _LocalGroup, grads: tuple[Any, ...]) -> tuple[torch.Ten
     proofs: tuple[Any, ...] = tuple(map(getattr, grads, repeat(_GRAD_PROOF_ATTR), repeat(None)))
     try:
         if all(map(_is, map(_first, proofs), cached.placements)):
-            return tuple(map(_second, proofs))
+            return tuple(map(_second, proofs)), True
     except TypeError:  # a gradient without a proof, or a parameter without a gradient
         pass
     if all(map(_is, proofs, repeat(None))) and all(map(_is, map(type, grads), repeat(DTensor))):
@@ -443,7 +448,7 @@ def _local_grads(cached: _LocalGroup, grads: tuple[Any, ...]) -> tuple[torch.Ten
             return None  # what the views' .grad setter would refuse (the ready path has no setter)
         for grad, new_proof in zip(grads, map(_GradProof, zip(cached.placements, local_grads))):
             setattr(grad, _GRAD_PROOF_ATTR, new_proof)
-        return local_grads
+        return local_grads, True
     mixed: list[torch.Tensor | None] = []
     for grad, proof, placements, view in zip(grads, proofs, cached.placements, cached.views):
         if grad is None or (proof is not None and proof[0] is placements):
@@ -456,7 +461,7 @@ def _local_grads(cached: _LocalGroup, grads: tuple[Any, ...]) -> tuple[torch.Ten
             return None
         setattr(grad, _GRAD_PROOF_ATTR, _GradProof((placements, local_grad)))
         mixed.append(local_grad)
-    return tuple(mixed)
+    return tuple(mixed), all(map(_is_not, mixed, repeat(None)))
 
 
 def _check_entries(cached: _LocalGroup, grads: tuple[Any, ...], keys: frozenset[str],

@@ -46,7 +46,8 @@ class RootContext:
         self.states = states
         self.comm = comm or CommContext(device)  # share_comm_ctx: one shared by several roots
         self.reduces = ReduceQueue(accelerated=self.comm.accelerated)
-        self.forward_order: list[FSDPState] = []
+        self.forward_order: list[FSDPState] = []  # units in the order their forward began
+        self.post_forward_order: list[FSDPState] = []  # ... and ended: backward runs it in reverse
         self.order_frozen = False
         self.callback_queued = False
 
@@ -183,6 +184,9 @@ class FSDPState:
         """Post-forward of the whole unit: reshard as configured and go back to IDLE."""
         self._modules_to_run = set()
         self.training_state = TrainingState.IDLE
+        root = self.root
+        if root is not None and not root.order_frozen and self not in root.post_forward_order:
+            root.post_forward_order.append(self)
         if self.group is None:
             return
         if not torch.is_grad_enabled():  # no backward needs them; only an explicit False keeps them
@@ -235,16 +239,22 @@ class FSDPState:
         return self._neighbours(+1)
 
     def _backward_targets(self) -> list[FSDPState]:
+        """The unit whose forward ended just before this one's: backward reaches it next. For the root
+        (whose forward ends last) that is the last block, prefetched while the head's backward runs."""
         if self.backward_prefetch is not None:
             return self.backward_prefetch
-        return self._neighbours(-1)
-
-    def _neighbours(self, step: int) -> list[FSDPState]:
         root = self.root
-        if root is None or not root.order_frozen or self not in root.forward_order:
+        return self._neighbours(-1, root.post_forward_order if root is not None else [])
+
+    def _neighbours(self, step: int, order: list[FSDPState] | None = None) -> list[FSDPState]:
+        root = self.root
+        if root is None:
             return []
-        i = root.forward_order.index(self) + step
-        return [root.forward_order[i]] if 0 <= i < len(root.forward_order) else []
+        order = root.forward_order if order is None else order
+        if not root.order_frozen or self not in order:
+            return []
+        i = order.index(self) + step
+        return [order[i]] if 0 <= i < len(order) else []
 
     def _prefetch(self, targets: list[FSDPState], phase: Phase) -> None:
         for target in targets:

@@ -80,6 +80,11 @@ def _event_order() -> list[list[str]]:
             loss.backward()
         orders.append([e.short() for e in events])
     first, second = orders
+    # backward prefetch follows the order units ended forward: the root (ended last) prefetches the
+    # last block, whose re-gather then overlaps the head's backward; every block gather is a prefetch
+    backward_gathers = [(e.fqn, e.prefetch) for e in events
+                        if e.kind is trace.EventKind.ALL_GATHER and e.phase is trace.Phase.BACKWARD]
+    assert backward_gathers == [("blocks.2", True), ("blocks.1", True), ("blocks.0", True)], backward_gathers
     assert first == [
         "all_gather <root>", "unshard <root>",
         "all_gather blocks.0", "unshard blocks.0", "reshard blocks.0",
