@@ -264,16 +264,22 @@ class ReduceQueue:
     unit's backward and is finished just before that unit allocates its own, so two reduce inputs never
     coexist. ``max_in_flight = 0`` finishes each reduce at once (no overlap).
 
-    On CPU the first reduce of a backward (the last unit's) is finished at once even so
-    (``first_at_once``): it would overlap the second unit's backward, where the activations still held
-    make the step's memory peak; further on, the units behind have freed theirs. Figures in
+    On CPU the first third of a backward's reduces (the last units', at least one) are finished at
+    once even so (``at_once``): they would overlap the next units' backward, where most activations
+    are still held and the step's memory peaks; further on, the units behind have freed theirs. Figures in
     benchmarks/README.md; design/data-path.md."""
 
     def __init__(self, *, accelerated: bool) -> None:
         self.max_in_flight = 2 if accelerated else 1
-        self.first_at_once = not accelerated
+        self.at_once_fraction = 0.0 if accelerated else 1 / 3
+        self.units = 1  # units with parameters under this root (set at lazy init)
         self._groups: deque[GroupReduce] = deque()
         self._pushed = 0  # reduces pushed since the last drain: 0 = the next is a backward's first
+
+    @property
+    def at_once(self) -> int:
+        """How many of a backward's first reduces finish at once (0 on accelerators)."""
+        return max(1, int(self.units * self.at_once_fraction)) if self.at_once_fraction else 0
 
     def _limit(self, group: GroupReduce | None) -> int:
         k = group.reduce_settings.max_input_buffers if group is not None else None
@@ -288,7 +294,7 @@ class ReduceQueue:
         if group not in self._groups:
             self._groups.append(group)
         limit = self._limit(group)
-        if self._pushed == 0 and self.first_at_once and group.reduce_settings.max_input_buffers is None:
+        if self._pushed < self.at_once and group.reduce_settings.max_input_buffers is None:
             limit = 0
         self._pushed += 1
         while len(self._groups) > limit:  # 0: finish right away (no overlap)

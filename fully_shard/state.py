@@ -46,6 +46,7 @@ class RootContext:
         self.states = states
         self.comm = comm or CommContext(device)  # share_comm_ctx: one shared by several roots
         self.reduces = ReduceQueue(accelerated=self.comm.accelerated)
+        self.reduces.units = max(1, sum(state.group is not None for state in states))
         self.forward_order: list[FSDPState] = []  # units in the order their forward began
         self.post_forward_order: list[FSDPState] = []  # ... and ended: backward runs it in reverse
         self.order_frozen = False

@@ -1,6 +1,6 @@
 """On gloo the reduce-scatter is an in-place all-reduce of the library's own reduce input (design/data-path.md):
 bitwise the same gradients as gloo's own reduce-scatter, and the input is let go when the collective ends,
-before the host waits for it."""
+before the host waits for it. And the CPU queue's rule: a backward's first third of reduces finish at once."""
 
 from __future__ import annotations
 
@@ -89,3 +89,38 @@ def test_input_released_when_the_all_reduce_completes() -> None:
         for record in seen:  # before any wait: the row was taken and the input freed in gloo's thread
             assert record["dropped"] and record["freed"] and record["output"], record
 
+
+
+class _FakeGroup:
+    """What ReduceQueue reads of a group: its settings and finish_reduces()."""
+
+    def __init__(self, name: str, finished: list[str]) -> None:
+        self.name, self.finished = name, finished
+        self.reduce_settings = type("S", (), {"max_input_buffers": None})()
+
+    def finish_reduces(self) -> None:
+        self.finished.append(self.name)
+
+
+def _finish_order(units: int, *, accelerated: bool = False) -> list[tuple[str, list[str]]]:
+    """Per push of a backward over ``units`` units: which reduces were finished by then."""
+    queue = ReduceQueue(accelerated=accelerated)
+    queue.units = units
+    finished: list[str] = []
+    seen = []
+    for i in reversed(range(units)):
+        group = _FakeGroup(f"u{i}", finished)
+        queue.make_room(group)  # type: ignore[arg-type]
+        queue.push(group)  # type: ignore[arg-type]
+        seen.append((group.name, list(finished)))
+    queue.drain()
+    assert finished == [f"u{i}" for i in reversed(range(units))]
+    return seen
+
+
+def test_first_third_of_a_backward_finishes_at_once_on_cpu() -> None:
+    seen = _finish_order(15)  # the memory benchmark's 14 blocks + root: 5 at once, then one in flight
+    assert [len(done) for _, done in seen] == [1, 2, 3, 4, 5] + list(range(5, 15)), seen
+    assert ReduceQueue(accelerated=False).at_once == 1  # at least one (a single unit)
+    accelerated = _finish_order(6, accelerated=True)  # two in flight, none at once
+    assert [len(done) for _, done in accelerated] == [0, 0, 1, 2, 3, 4], accelerated

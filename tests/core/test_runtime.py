@@ -93,8 +93,8 @@ def _event_order() -> list[list[str]]:
         # backward: the root kept its params (reshard_after_forward=None -> False for the root)
         # (a unit reshards as soon as its grads are taken, then reduce-scatters them: lower peak memory)
         "all_gather blocks.2", "unshard blocks.2", "reshard blocks.2", "reduce_scatter blocks.2",
-        # on CPU a backward's first reduce (the last unit's) is finished at once: it would overlap
-        # the second unit's backward, where most activations are still held (the memory peak)
+        # on CPU the first third of a backward's reduces (here 1 of 4 units) are finished at once: they
+        # would overlap the next units' backward, where most activations are still held (the memory peak)
         "reduce_done blocks.2",
         # from then on one reduce-scatter stays in flight behind the next unit's backward; it is
         # finished (grads assigned) just before that unit takes its grads and allocates its own buffers
