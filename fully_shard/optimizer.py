@@ -191,6 +191,7 @@ def _refuse_replaced(optimizer: Optimizer, params: list[torch.Tensor] | None = N
 # would cost about as much as a plain step's own per-parameter work (design/optimizer-step.md, Cache).
 _is, _is_not = operator.is_, operator.is_not
 _grad_of = operator.attrgetter("grad")
+_proof_of_grad = operator.attrgetter(f"grad.{_GRAD_PROOF_ATTR}")
 _token_of = operator.attrgetter(_TOKEN_ATTR)
 _placements_of = operator.attrgetter("placements")
 _shape_of, _dtype_of = operator.attrgetter("shape"), operator.attrgetter("dtype")
@@ -375,10 +376,14 @@ def _refresh(cached: _LocalGroup, params: list[torch.Tensor], keys: frozenset[st
             return None  # swap_tensors replaced a parameter's contents (and __dict__): its view is stale
     except AttributeError:
         return None
-    grads = tuple(map(_grad_of, cached.ours))
-    got = _local_grads(cached, grads)
+    got: tuple[tuple[torch.Tensor | None, ...], bool] | None = _proven_local_grads(cached)
     if got is None:
-        return None
+        grads: tuple[Any, ...] = tuple(map(_grad_of, cached.ours))
+        got = _local_grads(cached, grads)
+        if got is None:
+            return None
+    else:
+        grads = got[0]  # every parameter has one: what _check_entries asks of them
     local_grads, complete = got
     if keys and not (state_unchanged() and cached.entries_unchanged()):
         cached.ready_states = None
@@ -421,6 +426,21 @@ class _GradProof(tuple):  # type: ignore[type-arg]
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(None), ()
+
+
+def _proven_local_grads(cached: _LocalGroup) -> tuple[tuple[torch.Tensor, ...], bool] | None:
+    """The common case in one pass: every parameter's gradient already carries its proof (one C-level
+    ``grad.<proof>`` lookup per parameter); None otherwise (then ``_local_grads`` sorts it out)."""
+    try:
+        proofs = tuple(map(_proof_of_grad, cached.ours))
+    except AttributeError:  # a parameter without a gradient, or a gradient without a proof
+        return None
+    try:
+        if all(map(_is, map(_first, proofs), cached.placements)):
+            return tuple(map(_second, proofs)), True
+    except TypeError:  # a proof attribute that is not ours (None after a deepcopy)
+        pass
+    return None
 
 
 def _local_grads(cached: _LocalGroup,
