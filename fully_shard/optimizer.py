@@ -443,6 +443,13 @@ def _proven_local_grads(cached: _LocalGroup) -> tuple[tuple[torch.Tensor, ...], 
     return None
 
 
+def prove_grad(grad: DTensor, placements: tuple[Any, ...]) -> None:
+    """Mark a DTensor gradient the library made for a parameter with ``placements`` (its local tensor
+    has the parameter's local shape and dtype) as checked: the step then reads it in one lookup."""
+    with torch.no_grad():
+        setattr(grad, _GRAD_PROOF_ATTR, _GradProof((placements, grad.to_local())))
+
+
 def _local_grads(cached: _LocalGroup,
                  grads: tuple[Any, ...]) -> tuple[tuple[torch.Tensor | None, ...], bool] | None:
     """The gradients' local tensors (None for a parameter without one) and whether every parameter has

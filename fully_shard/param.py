@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from . import extension
+from . import extension, optimizer
 from .layout import DimZeroLayout, contiguous_stride
 from .mesh import MeshInfo
 from .spmd import ParamSpec, local_grad, spec_of
@@ -135,7 +135,10 @@ class ShardedParam:
             local_grad = local_grad.to(self.storage_device, non_blocking=True)
         existing = self.sharded_param.grad
         if not isinstance(existing, DTensor):
-            self.sharded_param.grad = self._dtensor(local_grad, self.spec.mesh, self.sharded_param.placements)
+            placements = self.sharded_param.placements
+            grad = self._dtensor(local_grad, self.spec.mesh, placements)
+            self.sharded_param.grad = grad
+            optimizer.prove_grad(grad, placements)  # the optimizer step's check, done where it is known
         else:
             with torch.no_grad():
                 existing.to_local().add_(local_grad)

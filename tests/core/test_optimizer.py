@@ -227,6 +227,28 @@ def _some_without_grad() -> list[int]:
     return ready
 
 
+@distributed(world_size=2)
+def _grads_proven_at_creation() -> None:
+    (model, opt), _ = twins(make_optimizer("adam", "foreach"))
+    x, y = batches(1)[0]
+    backward(model, x, y)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # the reduce-scatter's gradients carry the step's proof
+            placements, local = p.grad._fully_shard_local_grad  # type: ignore[union-attr]
+            assert placements is p.placements, name
+            assert local is p.grad.to_local(), name  # type: ignore[union-attr]
+    ready = record_ready(opt)
+    for _ in range(3):  # new gradients every step (zero_grad sets them to None): still the ready path
+        opt.step()
+        opt.zero_grad()
+        backward(model, x, y)
+    assert ready == [0, 0, 1], ready
+
+
+def test_library_gradients_are_proven_when_created() -> None:
+    _grads_proven_at_creation()
+
+
 def test_parameter_without_gradient_goes_through_torchs_loop() -> None:
     assert _some_without_grad() == [[0, 0, 0, 0]] * 2  # per rank; bitwise (lockstep), on the views' .grad
 
