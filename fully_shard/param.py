@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from . import extension, optimizer
+from . import extension, step_cache
 from .layout import DimZeroLayout, contiguous_stride
 from .mesh import MeshInfo
 from .spmd import ParamSpec, local_grad, spec_of
@@ -138,7 +138,7 @@ class ShardedParam:
             placements = self.sharded_param.placements
             grad = self._dtensor(local_grad, self.spec.mesh, placements)
             self.sharded_param.grad = grad
-            optimizer.prove_grad(grad, placements)  # the optimizer step's check, done where it is known
+            step_cache.prove_grad(grad, placements)  # the optimizer step's check, done where it is known
         else:
             with torch.no_grad():
                 existing.to_local().add_(local_grad)
