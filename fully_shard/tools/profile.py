@@ -215,6 +215,8 @@ class Profiler:
         step_s = statistics.median(s.step_s for s in steps)
         exposed = sum(s.exposed_s for s in steps) / n
         busy = sum(s.busy_s for s in steps) / n
+        mean_step_s = sum(s.step_s for s in steps) / n  # shares: means over means (a mean over the
+        # median step could pass 1 when one slow step holds most of the waiting)
         ag = sum(s.bytes_of("all_gather") for s in steps) / n
         rs = sum(s.bytes_of("reduce_scatter") for s in steps) / n
         ar = sum(s.bytes_of("all_reduce") for s in steps) / n
@@ -227,8 +229,8 @@ class Profiler:
             "step_s": step_s,
             "exposed_comm_s": exposed,
             "comm_busy_s": busy,
-            "comm_share": exposed / step_s if step_s else 0.0,
-            "comm_busy_share": busy / step_s if step_s else 0.0,
+            "comm_share": exposed / mean_step_s if mean_step_s else 0.0,
+            "comm_busy_share": busy / mean_step_s if mean_step_s else 0.0,
             "all_gather_bytes": ag,
             "reduce_scatter_bytes": rs,
             "all_reduce_bytes": ar,
