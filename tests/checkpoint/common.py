@@ -60,7 +60,11 @@ def global_mean(x: torch.Tensor) -> float:
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, first: int, steps: int) -> list[float]:
     """Steps first..first+steps-1 of a fixed data stream; each rank takes its slice of the global batch."""
-    data = batches(first + steps, batch=GLOBAL_BATCH)[first:]
+    return train_on(model, opt, batches(first + steps, batch=GLOBAL_BATCH)[first:])
+
+
+def train_on(model: nn.Module, opt: torch.optim.Optimizer, data: list[Any]) -> list[float]:
+    """One optimizer step per global batch in ``data`` (this rank's slice); the global mean losses."""
     losses = []
     for x, y in data:
         loss = loss_fn(model(local_slice(x)), local_slice(y))

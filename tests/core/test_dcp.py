@@ -15,9 +15,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from fully_shard import fully_shard
-from tests.core.common import global_mean, local_slice
+from tests.checkpoint.common import train_on
 from tests.distributed.harness import distributed
-from tests.models import TinyGPT, batches, loss_fn
+from tests.models import TinyGPT, batches
 
 DATA = batches(4, batch=4)
 
@@ -33,17 +33,6 @@ def _build(impl: str, seed: int) -> tuple[TinyGPT, torch.optim.Optimizer]:
         shard(blk)
     shard(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def _steps(model: TinyGPT, opt: torch.optim.Optimizer, data: list[Any]) -> list[float]:
-    losses = []
-    for x, y in data:
-        loss = loss_fn(model(local_slice(x)), local_slice(y))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_mean(loss))
-    return losses
 
 
 def _full(sd: Any) -> Any:
@@ -76,11 +65,11 @@ def _assert_same(a: Any, b: Any, where: str) -> None:
 @distributed(world_size=2)
 def _dcp_round_trip(path: str) -> dict[str, Any]:
     model, opt = _build("ours", seed=0)
-    _steps(model, opt, DATA[:2])
+    train_on(model, opt, DATA[:2])
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     saved = _full((model_sd, optim_sd))
-    uninterrupted = _steps(model, opt, DATA[2:])
+    uninterrupted = train_on(model, opt, DATA[2:])
     out: dict[str, Any] = {"uninterrupted": uninterrupted}
     for impl in ("ours", "torch"):
         fresh, fresh_opt = _build(impl, seed=1)
@@ -91,7 +80,7 @@ def _dcp_round_trip(path: str) -> dict[str, Any]:
         loaded = _full(get_state_dict(fresh, fresh_opt))
         _assert_same(loaded, saved, impl)  # exact: model and optimizer state
         assert all(isinstance(p, DTensor) for p in fresh.parameters())
-        out[impl] = _steps(fresh, fresh_opt, DATA[2:])
+        out[impl] = train_on(fresh, fresh_opt, DATA[2:])
     dist.barrier()
     return out
 
