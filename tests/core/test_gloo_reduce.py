@@ -30,8 +30,7 @@ def _grads(in_place: bool) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         loss = loss_fn(model(local_slice(x)), local_slice(y))
         with CountCollectives() as counted:
             loss.backward()
-        raw = {k: v for k, v in counted.counts.items()}
-        return {n: p.grad.to_local().clone() for n, p in model.named_parameters()}, raw
+        return {n: p.grad.to_local().clone() for n, p in model.named_parameters()}, dict(counted.counts)
     finally:
         collectives.reduce_scatter_is_all_reduce = original  # type: ignore[assignment]
 
