@@ -38,8 +38,8 @@ _LISTS[AdamW] = _LISTS[Adam]
 @dataclass(frozen=True, slots=True)
 class Ready:
     """One param group's lists, in ``_init_group``'s order: the local views with a gradient, their
-    local gradients, then per state list the local tensors (empty where the group keeps none, e.g.
-    ``max_exp_avg_sqs`` without amsgrad; a list of None for SGD's momentum without momentum, as torch)."""
+    local gradients, then per state list the local tensors (empty where torch's loop appends none:
+    ``max_exp_avg_sqs`` without amsgrad, SGD's ``momentum_buffer_list`` without momentum)."""
 
     params: Sequence[torch.Tensor]
     grads: Sequence[torch.Tensor]
@@ -49,7 +49,7 @@ class Ready:
 
 def state_keys_of(cls: type[Optimizer], group: dict[str, Any]) -> tuple[str | None, ...] | None:
     """Per state list of ``cls._init_group``, the state key it reads for ``group`` (None: a list torch
-    leaves empty, or fills with None for SGD without momentum); None when the class has no ready path."""
+    leaves empty for this group); None when the class has no ready path."""
     if local_class(cls) is None:
         return None
     keys: list[str | None] = []
