@@ -37,7 +37,7 @@ from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
 
 from fully_shard import profile
-from fully_shard.state import get_state
+from fully_shard.core.state import get_state
 
 
 class CheckFailed(AssertionError):

@@ -29,7 +29,7 @@ from _common import init, launch_if_needed, machine, median, rank0_print, timed_
 from torch.distributed.tensor import DTensor
 
 from fully_shard import fully_shard
-from fully_shard.optimizer import StepPath, set_step_path
+from fully_shard.optim.step import StepPath, set_step_path
 
 SHAPES = {"48x32": (48, 32), "12x512": (12, 512)}
 VARIANTS = ("plain", "dtensor", "ours")

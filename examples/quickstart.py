@@ -31,10 +31,11 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fully_shard import MixedPrecisionPolicy, ShardingStrategy, checkpoint, trace
-from fully_shard.clip import clip_grad_norm_
-from fully_shard.trace import EventKind
-from fully_shard.wrap import ModuleClassPolicy, PredicatePolicy, WrapPlan, auto_wrap
+from fully_shard import MixedPrecisionPolicy, ShardingStrategy, checkpoint
+from fully_shard.comm import trace
+from fully_shard.comm.trace import EventKind
+from fully_shard.optim.clip import clip_grad_norm_
+from fully_shard.wrap.plan import ModuleClassPolicy, PredicatePolicy, WrapPlan, auto_wrap
 
 VOCAB, DIM, HEADS, BLOCKS, SEQ = 512, 64, 4, 4, 32
 

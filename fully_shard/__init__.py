@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from . import checkpoint
-from .api import fully_shard
-from .clip import clip_grad_norm_, total_grad_norm
-from .init import default_init, materialize_meta_module
-from .mesh import DataParallelMeshDims
-from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
-from .policy import (
+from .comm.trace import EventKind, Phase
+from .core.api import fully_shard
+from .core.init import default_init, materialize_meta_module
+from .core.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .core.policy import (
     AllGatherPolicy,
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -16,9 +15,10 @@ from .policy import (
     QuantizedAllGather,
     ShardingStrategy,
 )
+from .optim.clip import clip_grad_norm_, total_grad_norm
+from .parallel.mesh import DataParallelMeshDims
 from .tools.profile import Profiler, profile
-from .trace import EventKind, Phase
-from .wrap import (
+from .wrap.plan import (
     GranularityPolicy,
     ModuleClassPolicy,
     ParamCountPolicy,

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from ..mesh import default_device
+from ..parallel.mesh import default_device
 from .errors import CheckpointError
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..module import FSDPModule
+from ..core.module import FSDPModule
 from . import boxes
 from .boxes import Box
 from .codec import st_dtype

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import trace
-from ..state import FSDPState, states_under
+from ..comm import trace
+from ..core.state import FSDPState, states_under
 from . import export
 from .memory import current_memory, peak_memory, reset_peak_memory
 from .records import Collective, CommStats, StepStats, UnitStats

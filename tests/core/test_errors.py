@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from fully_shard import fully_shard
-from fully_shard.mesh import MeshInfo
+from fully_shard.parallel.mesh import MeshInfo
 from tests.distributed.harness import distributed
 from tests.models import TinyGPT
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from fully_shard import collectives
-from fully_shard.reduce import GroupReduce, ReduceQueue
+from fully_shard.comm import collectives
+from fully_shard.core.reduce import GroupReduce, ReduceQueue
 from tests.core.common import local_slice, shard_gpt
 from tests.distributed.counting import CountCollectives
 from tests.distributed.harness import distributed

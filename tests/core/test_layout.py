@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fully_shard.layout import DimZeroLayout, FlatLayout
+from fully_shard.core.layout import DimZeroLayout, FlatLayout
 
 shapes = st.one_of(
     st.just(()),

@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fully_shard import checkpoint, clip_grad_norm_
-from fully_shard.optimizer import StepPath, get_step_path, set_step_path
+from fully_shard.optim.step import StepPath, get_step_path, set_step_path
 from tests.core.common import local_slice, shard_gpt
 from tests.distributed.harness import distributed
 from tests.models import TinyGPT, batches, loss_fn

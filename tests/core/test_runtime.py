@@ -12,7 +12,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from fully_shard import FSDPModule, fully_shard, register_fsdp_forward_method, trace
+from fully_shard import FSDPModule, fully_shard, register_fsdp_forward_method
+from fully_shard.comm import trace
 from tests.core.common import local_slice, shard_gpt, step_pair
 from tests.distributed.counting import CountCollectives
 from tests.distributed.harness import distributed

@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from fully_shard import FSDPModule, MixedPrecisionPolicy, fully_shard, trace
+from fully_shard import FSDPModule, MixedPrecisionPolicy, fully_shard
+from fully_shard.comm import trace
 from tests.core.common import local_slice
 from tests.distributed.counting import CountCollectives
 from tests.distributed.harness import distributed

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 
 from fully_shard import DataParallelMeshDims, compat, fully_shard
-from fully_shard.mesh import _check_dp_names
+from fully_shard.parallel.mesh import _check_dp_names
 from tests.distributed.harness import distributed
 from tests.parallel.tp_common import DIM, SpmdMLP, dp_slice, global_loss, spmd_reference, spmd_reference_forward
 

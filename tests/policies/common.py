@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fully_shard import MixedPrecisionPolicy
-from fully_shard.trace import Event, EventKind
+from fully_shard.comm.trace import Event, EventKind
 from tests.core.common import global_mean as global_mean  # re-exported for the policy tests
 from tests.core.common import local_slice as local_slice
 from tests.core.common import max_param_diff, step_pair

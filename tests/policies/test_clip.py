@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from fully_shard import fully_shard
-from fully_shard.clip import clip_grad_norm_, total_grad_norm
+from fully_shard.optim.clip import clip_grad_norm_, total_grad_norm
 from tests.distributed.harness import distributed
 from tests.models import TinyGPT, batches, loss_fn
 from tests.policies.common import full, local_slice

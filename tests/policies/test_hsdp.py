@@ -8,8 +8,9 @@ import copy
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fully_shard import fully_shard, trace
-from fully_shard.trace import EventKind, Phase
+from fully_shard import fully_shard
+from fully_shard.comm import trace
+from fully_shard.comm.trace import EventKind, Phase
 from tests.distributed.counting import CountCollectives
 from tests.distributed.harness import distributed
 from tests.models import TinyGPT, batches, loss_fn

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fully_shard import fully_shard
-from fully_shard.init import default_init, materialize_meta_module, meta_tensor_names
+from fully_shard.core.init import default_init, materialize_meta_module, meta_tensor_names
 from tests.distributed.counting import CountCollectives
 from tests.distributed.harness import distributed
 from tests.models import Block, TinyGPT

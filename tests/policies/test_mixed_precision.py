@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fully_shard import MixedPrecisionPolicy, fully_shard, trace
-from fully_shard.trace import EventKind
+from fully_shard import MixedPrecisionPolicy, fully_shard
+from fully_shard.comm import trace
+from fully_shard.comm.trace import EventKind
 from tests.distributed.harness import distributed
 from tests.models import TinyGPT, batches, loss_fn
 from tests.policies.common import (

@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-import fully_shard.api as api
+import fully_shard.core.api as api
 from fully_shard import CPUOffloadPolicy, fully_shard
 from tests.distributed.harness import distributed
 from tests.models import TinyGPT

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import copy
 
-from fully_shard import fully_shard, trace
-from fully_shard.trace import EventKind, Phase
+from fully_shard import fully_shard
+from fully_shard.comm import trace
+from fully_shard.comm.trace import EventKind, Phase
 from tests.distributed.harness import distributed
 from tests.models import TinyGPT, batches, loss_fn
 from tests.policies.common import local_slice, train_parity, unit_padded_numel

@@ -15,11 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Shard
 
-from fully_shard import MixedPrecisionPolicy, QuantizedAllGather, fully_shard, profile, trace
-from fully_shard.policy import check_all_gather_policy
-from fully_shard.quantize import BlockLayout, data_view, dequantize, pack, quantize, scales_view
-from fully_shard.state import states_under
-from fully_shard.trace import EventKind
+from fully_shard import MixedPrecisionPolicy, QuantizedAllGather, fully_shard, profile
+from fully_shard.comm import trace
+from fully_shard.comm.trace import EventKind
+from fully_shard.core.policy import check_all_gather_policy
+from fully_shard.core.quantize import BlockLayout, data_view, dequantize, pack, quantize, scales_view
+from fully_shard.core.state import states_under
 from tests.core.common import local_slice, shard_gpt, step_pair, train_pair
 from tests.distributed.counting import CountCollectives
 from tests.distributed.harness import distributed

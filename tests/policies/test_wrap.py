@@ -14,9 +14,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from fully_shard import MixedPrecisionPolicy, ShardingStrategy, trace
-from fully_shard.trace import EventKind, Phase
-from fully_shard.wrap import (
+from fully_shard import MixedPrecisionPolicy, ShardingStrategy
+from fully_shard.comm import trace
+from fully_shard.comm.trace import EventKind, Phase
+from fully_shard.wrap.plan import (
     ROOT,
     GranularityPolicy,
     ModuleClassPolicy,
@@ -257,7 +258,7 @@ def _tiny_llama(tied: bool) -> nn.Module:
 def _llama(tied: bool, meta: bool) -> dict[str, object]:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from fully_shard.init import materialize_meta_module
+    from fully_shard.core.init import materialize_meta_module
 
     torch.manual_seed(0)
     if meta:

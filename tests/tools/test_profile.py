@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from fully_shard import MixedPrecisionPolicy, fully_shard, trace
-from fully_shard.state import get_state
+from fully_shard import MixedPrecisionPolicy, fully_shard
+from fully_shard.comm import trace
+from fully_shard.core.state import get_state
 from fully_shard.tools.memory import current_memory, peak_memory, reset_peak_memory
 from fully_shard.tools.profile import Profiler, profile
 from tests.core.common import local_slice

@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ...policy import MixedPrecisionPolicy
+from ...core.policy import MixedPrecisionPolicy
 from ..memory import current_memory
 from ..profile import Profiler, profile
 from ..timing import synchronize, timed_step

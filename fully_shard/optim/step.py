@@ -34,8 +34,8 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from . import step_lists
-from .step_cache import (
+from . import lists as step_lists
+from .cache import (
     _TOKEN_ATTR,
     _check_entries,
     _grad_of,

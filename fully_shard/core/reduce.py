@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from . import collectives, trace
+from ..comm import collectives, trace
+from ..comm.streams import CommContext, Pending
 from .layout import FlatLayout
 from .param import ShardedParam
-from .streams import CommContext, Pending
 
 if TYPE_CHECKING:
-    from .mesh import MeshInfo
+    from ..parallel.mesh import MeshInfo
 
 SUM: dist.ReduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
 _NO_OVERFLOW_RISK = (torch.float32, torch.bfloat16, torch.float64)

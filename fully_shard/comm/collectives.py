@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import quantize
-from .layout import FlatLayout
-from .mesh import SubgroupInfo
-from .param import ShardedParam
-from .quantize import BlockLayout
+from ..core import quantize
+from ..core.layout import FlatLayout
+from ..core.param import ShardedParam
+from ..core.quantize import BlockLayout
+from ..parallel.mesh import SubgroupInfo
 
 AVG: dist.ReduceOp = dist.ReduceOp.AVG  # type: ignore[assignment]  # NCCL and gloo both average
 

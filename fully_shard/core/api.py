@@ -15,13 +15,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
+from ..interop.composable import check_not_replicated, mark_fully_shard
+from ..interop.dynamo import mark_managed
+from ..optim.step import track as track_for_optimizer
+from ..parallel.mesh import DataParallelMeshDims, MeshInfo, default_mesh, subgroup
 from .checks import check_same_call, describe_call
-from .composable import check_not_replicated, mark_fully_shard
-from .dynamo import mark_managed
 from .group import ParamGroup
-from .mesh import DataParallelMeshDims, MeshInfo, default_mesh, subgroup
 from .module import FSDPModule
-from .optimizer import track as track_for_optimizer
 from .param import ShardedParam
 from .policy import (
     AllGatherPolicy,

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import collectives
-from .mesh import MeshInfo
+from ..comm import collectives
+from ..parallel.mesh import MeshInfo
 
 
 def describe_call(modules: tuple[nn.Module, ...], owners: dict[int, str], *, title: str) -> list[str]:

@@ -19,12 +19,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .api import fully_shard
-from .layout import DimZeroLayout
-from .mesh import default_mesh, replicate_mesh
-from .policy import MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
-from .state import get_state
-from .tree import join_fqn
+from ..core.api import fully_shard
+from ..core.layout import DimZeroLayout
+from ..core.policy import MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
+from ..core.state import get_state
+from ..core.tree import join_fqn
+from ..parallel.mesh import default_mesh, replicate_mesh
 
 __all__ = [
     "GranularityPolicy",

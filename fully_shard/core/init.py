@@ -36,8 +36,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import collectives
-from .mesh import device_of, root_mesh
+from ..comm import collectives
+from ..parallel.mesh import device_of, root_mesh
 from .tree import join_fqn
 
 __all__ = ["MaterializeReport", "default_init", "materialize_meta_module", "meta_tensor_names"]

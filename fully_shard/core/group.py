@@ -21,14 +21,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import collectives, extension, trace
+from ..comm import collectives, trace
+from ..comm.streams import CommContext, Pending
+from ..parallel.mesh import MeshInfo, SubgroupInfo
+from . import extension
 from .layout import FlatLayout
-from .mesh import MeshInfo, SubgroupInfo
 from .param import ShardedParam
 from .policy import AllGatherPolicy, MixedPrecisionPolicy, QuantizedAllGather
 from .quantize import BlockLayout
 from .reduce import GroupReduce, ReduceQueue, ReduceSettings, _PendingReduce
-from .streams import CommContext, Pending
 
 __all__ = ["GroupState", "ParamGroup", "ReduceQueue"]
 

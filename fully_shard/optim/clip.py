@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from . import collectives
-from .mesh import device_of
+from ..comm import collectives
+from ..parallel.mesh import device_of
 
 __all__ = ["clip_grad_norm_", "total_grad_norm"]
 

@@ -14,14 +14,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..comm.streams import CommContext
+from ..comm.trace import Phase
+from ..interop.dynamo import eager
+from ..parallel.mesh import MeshInfo
 from .checks import check_not_meta
-from .dynamo import eager
 from .group import GroupState, ParamGroup, ReduceQueue
-from .mesh import MeshInfo
 from .param import ShardedParam
 from .policy import MixedPrecisionPolicy
-from .streams import CommContext
-from .trace import Phase
 from .tree import join_fqn, map_tensors, tensors
 
 # Every entry point of the runtime that torch calls (module hooks, tensor hooks, autograd Function

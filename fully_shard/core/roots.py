@@ -5,8 +5,8 @@ See design/hooks.md ("Recovering from an exception") and design/streams.md ("Sev
 
 from __future__ import annotations
 
+from ..comm.streams import CommContext
 from .state import FSDPState, TrainingState, states_under
-from .streams import CommContext
 
 
 def reset_iter_state(state: FSDPState) -> None:

@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from . import extension, step_cache
+from ..optim import cache as step_cache
+from ..parallel.mesh import MeshInfo
+from ..parallel.spmd import ParamSpec, local_grad, spec_of
+from . import extension
 from .layout import DimZeroLayout, contiguous_stride
-from .mesh import MeshInfo
-from .spmd import ParamSpec, local_grad, spec_of
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import comms, iteration
+from ..comm import protocol as comms
+from . import roots as iteration
 from .group import GroupState, ParamGroup
 from .policy import check_reshard_after_forward
 from .state import FSDPState, get_state, states_under

@@ -1,0 +1,295 @@
+"""compat: opt-in ``patch_torch()`` makes code that imports torch's FSDP2 names run on this library.
+
+Frameworks (torchtitan, torchtune, accelerate, Lightning) import ``fully_shard`` and friends from
+``torch.distributed.fsdp`` themselves, so "change one import" cannot reach them. ``patch_torch()``
+rebinds those names, in torch's own modules, to this library's objects; ``unpatch_torch()`` puts back
+exactly what was there. Nothing happens on import: only an explicit call patches. This is the one
+library file that touches torch's FSDP modules, and only to rebind names (see design/compat.md).
+
+Call ``patch_torch()`` before the framework is imported: a module that already ran
+``from torch.distributed.fsdp import fully_shard`` holds torch's object in its own namespace (the
+torch modules in the table below that do so are rebound too).
+
+Names touched (each only where torch 2.13 defines it; module -> names):
+
+=====================================================  =============================================
+``torch.distributed.fsdp``                              fully_shard, FSDPModule, UnshardHandle,
+                                                        MixedPrecisionPolicy, OffloadPolicy,
+                                                        CPUOffloadPolicy, register_fsdp_forward_method,
+                                                        share_comm_ctx
+``torch.distributed.fsdp._fully_shard`` (package)       the same eight
+``torch.distributed._composable.fsdp``                  fully_shard, FSDPModule, MixedPrecisionPolicy,
+                                                        OffloadPolicy, CPUOffloadPolicy,
+                                                        register_fsdp_forward_method
+``torch.distributed._composable.fsdp.fully_shard``      fully_shard, FSDPModule, UnshardHandle,
+                                                        register_fsdp_forward_method
+``torch.distributed.pipelining.stage``                  fully_shard, FSDPModule (bound at its import)
+``torch.distributed.pipelining.schedules``              FSDPModule, UnshardHandle (bound at its import)
+=====================================================  =============================================
+
+Left alone on purpose (design/compat.md has the reasons): torch's implementation modules
+(``_fully_shard._fully_shard``, ``_fsdp_api``, ``_fsdp_common``, ``_fsdp_init``, ``_fsdp_param_group``,
+``_fsdp_state``), so torch's own fully_shard keeps working side by side while patched;
+``DataParallelMeshDims`` and the private ``FSDPMeshInfo`` / ``ShardPlacementResult`` /
+``_get_mesh_info`` (torchtitan's expert-parallel path), plain records the ``fully_shard`` bound here
+reads (``dp_mesh_dims`` picks the sub-mesh; a ``ShardPlacementResult`` on the unit's own mesh is its
+placement; one on another mesh raises ``NotImplementedError``); ``torch.distributed._tools.
+fsdp2_mem_tracker`` (it wraps torch's ``FSDPParamGroup`` methods, so it keeps seeing only torch's
+units); ``torch.distributed.checkpoint.state_dict`` (imports only FSDP1 names; it works on the
+DTensor state dicts as is). Dynamo's two module flags (``_is_fsdp_managed_module``,
+``_fsdp_use_orig_params``) are set by this library's own ``fully_shard`` (dynamo.py), patched or not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement
+
+from ..core import api
+from ..core.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from ..core.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ..core.state import FSDPState, get_state
+from ..parallel.mesh import MeshInfo
+
+__all__ = ["GroupView", "MeshInfoView", "StateView", "fully_shard", "is_patched", "patch_torch", "patched_names",
+           "unpatch_torch"]
+
+_PUBLIC = ("fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
+           "CPUOffloadPolicy", "register_fsdp_forward_method", "share_comm_ctx")
+TARGETS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("torch.distributed.fsdp", _PUBLIC),
+    ("torch.distributed.fsdp._fully_shard", _PUBLIC),
+    ("torch.distributed._composable.fsdp", ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
+                                            "CPUOffloadPolicy", "register_fsdp_forward_method")),
+    ("torch.distributed._composable.fsdp.fully_shard", ("fully_shard", "FSDPModule", "UnshardHandle",
+                                                        "register_fsdp_forward_method")),
+    ("torch.distributed.pipelining.stage", ("fully_shard", "FSDPModule")),
+    ("torch.distributed.pipelining.schedules", ("FSDPModule", "UnshardHandle")),
+)
+
+_LOCK = threading.Lock()
+_SAVED: dict[tuple[str, str], object] = {}  # (module, name) -> torch's object, while patched
+
+
+# --- the fully_shard torch code calls ------------------------------------------------------------
+class _TorchSignatureFullyShard:
+    """``fully_shard`` with torch 2.13's signature (``dp_mesh_dims``, ``ShardPlacementResult``, torch's
+    policy objects) and its ``fully_shard.state(module)`` accessor, running this library."""
+
+    def __call__(self, module: Any, *, mesh: DeviceMesh | None = None,
+                 reshard_after_forward: bool | int | None = None,
+                 shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+                 mp_policy: Any = MixedPrecisionPolicy(), offload_policy: Any = OffloadPolicy(),
+                 ignored_params: set[nn.Parameter] | None = None, dp_mesh_dims: Any = None) -> Any:
+        out = api.fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                              shard_placement_fn=_placement_fn(shard_placement_fn, mesh),
+                              mp_policy=_mp_policy(mp_policy), offload_policy=_offload_policy(offload_policy),
+                              ignored_params=ignored_params, dp_mesh_dims=dp_mesh_dims)
+        return out  # api.fully_shard sets Dynamo's module flags (dynamo.mark_managed)
+
+    def state(self, module: nn.Module) -> StateView | None:
+        """``fully_shard.state(module)``: the view torch's pipelining reads (``perform_reduce_grad``);
+        None for a module not passed to fully_shard (as torch's)."""
+        state = get_state(module)
+        return StateView(state) if state is not None else None
+
+    def __repr__(self) -> str:
+        return "<fully_shard.compat.fully_shard (torch's signature, this library)>"
+
+
+fully_shard = _TorchSignatureFullyShard()
+
+
+def _placement_fn(fn: Callable[[nn.Parameter], Any] | None,
+                  mesh: DeviceMesh | None) -> Callable[[nn.Parameter], Placement | None] | None:
+    """Accept torch's ``ShardPlacementResult(placement, mesh_info)`` as well as a plain placement."""
+    if fn is None:
+        return None
+
+    def placement_of(param: nn.Parameter) -> Placement | None:
+        result = fn(param)
+        if result is None or isinstance(result, Placement):
+            return result
+        info = getattr(result, "mesh_info", None)
+        if not hasattr(result, "placement"):
+            raise ValueError(f"shard_placement_fn returned {result!r}; expected None, Shard(d) or a "
+                             "ShardPlacementResult(placement=..., mesh_info=...).")
+        other = getattr(info, "mesh", None)
+        if other is not None and mesh is not None and other != mesh:
+            raise NotImplementedError(
+                f"shard_placement_fn put a parameter of shape {tuple(param.shape)} on its own mesh "
+                f"{tuple(other.shape)} (per-parameter meshes, e.g. torchtitan's expert parallelism with "
+                f"ep_degree > 1); this library shards a unit over one mesh {tuple(mesh.shape)}. Fix: shard "
+                "those parameters in their own fully_shard call with mesh=<that mesh>.")
+        placement: Placement | None = result.placement
+        return placement
+
+    return placement_of
+
+
+def _convert(value: Any, ours: type) -> Any:
+    """torch's frozen policy dataclass (imported before patching) -> ours, field by field."""
+    if isinstance(value, ours):
+        return value
+    if not dataclasses.is_dataclass(value):
+        raise TypeError(f"expected a {ours.__name__}, got {type(value).__name__}: {value!r}")
+    names = {f.name for f in dataclasses.fields(ours)}
+    return ours(**{f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.name in names})
+
+
+def _mp_policy(value: Any) -> MixedPrecisionPolicy:
+    return _convert(value, MixedPrecisionPolicy)  # type: ignore[no-any-return]
+
+
+def _offload_policy(value: Any) -> OffloadPolicy:
+    if isinstance(value, OffloadPolicy):
+        return value
+    kind = type(value).__name__
+    if kind not in ("OffloadPolicy", "CPUOffloadPolicy"):
+        raise TypeError(f"offload_policy expects OffloadPolicy() or CPUOffloadPolicy(...), got {kind}: {value!r}")
+    return _convert(value, CPUOffloadPolicy) if kind == "CPUOffloadPolicy" else OffloadPolicy()  # type: ignore[no-any-return]
+
+
+def _ours(name: str) -> object:
+    ours: dict[str, object] = {
+        "share_comm_ctx": share_comm_ctx, "fully_shard": fully_shard, "FSDPModule": FSDPModule,
+        "UnshardHandle": UnshardHandle, "MixedPrecisionPolicy": MixedPrecisionPolicy, "OffloadPolicy": OffloadPolicy,
+        "CPUOffloadPolicy": CPUOffloadPolicy, "register_fsdp_forward_method": register_fsdp_forward_method}
+    return ours[name]
+
+
+# --- patch / unpatch -----------------------------------------------------------------------------
+def patch_torch() -> list[str]:
+    """Rebind torch's FSDP2 names (table in this module's docstring) to this library. Idempotent;
+    returns the ``module.name`` entries now bound to this library's objects."""
+    with _LOCK:
+        if not _SAVED:
+            # Import every target first: a module imported while torch.distributed.fsdp is already
+            # patched (pipelining, the legacy path) would bind our objects at its import, and those
+            # would then be "restored" by unpatch_torch().
+            modules = []
+            for modname, names in TARGETS:
+                try:
+                    importlib.import_module(modname)
+                except ImportError:  # an older torch without this module: nothing to rebind there
+                    continue
+                modules.append((sys.modules[modname], modname, names))
+            for mod, modname, names in modules:
+                for name in names:
+                    if name in vars(mod):
+                        _SAVED[(modname, name)] = vars(mod)[name]
+            for (modname, name) in _SAVED:
+                setattr(sys.modules[modname], name, _ours(name))
+        return patched_names()
+
+
+def unpatch_torch() -> None:
+    """Put back exactly the objects ``patch_torch()`` replaced. Idempotent."""
+    with _LOCK:
+        for (modname, name), original in _SAVED.items():
+            setattr(sys.modules[modname], name, original)
+        _SAVED.clear()
+
+
+def is_patched() -> bool:
+    return bool(_SAVED)
+
+
+def patched_names() -> list[str]:
+    """``module.name`` of every torch name currently bound to this library (empty when unpatched)."""
+    return [f"{modname}.{name}" for modname, name in _SAVED]
+
+
+# --- what torch code reads of fully_shard.state(module) -----------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MeshInfoView:
+    """A unit's mesh with the attribute names of torch's ``FSDPMeshInfo`` / ``HSDPMeshInfo``."""
+
+    mesh: DeviceMesh
+    shard_mesh_dim: int | None
+    replicate_mesh_dim: int | None
+    shard_process_group: Any
+    shard_mesh_size: int
+    shard_mesh_rank: int
+    replicate_process_group: Any
+    replicate_mesh_size: int
+    replicate_mesh_rank: int
+
+    @classmethod
+    def of(cls, info: MeshInfo) -> MeshInfoView:
+        hsdp = info.replicate_group is not None
+        rep_rank = info.mesh.get_local_rank(0) if hsdp else 0
+        ddp = hsdp and info.mesh.ndim == 1  # dp_mesh_dims replicate only: torch's DDPMeshInfo has no shard dim
+        return cls(info.mesh, None if ddp else 1 if hsdp else 0, 0 if hsdp else None, info.shard_group,
+                   info.shard_world, info.shard_rank, info.replicate_group, info.replicate_world, rep_rank)
+
+
+class GroupView:
+    """torch's ``FSDPParamGroup`` as torch's pipelining uses it: ``post_backward()`` and ``mesh_info``."""
+
+    def __init__(self, state: FSDPState) -> None:
+        self._state = state
+
+    @property
+    def mesh_info(self) -> MeshInfoView:
+        return MeshInfoView.of(self._state.mesh_info)
+
+    @property
+    def modules(self) -> tuple[nn.Module, ...]:
+        return self._state.modules
+
+    def post_backward(self) -> None:
+        """Reduce-scatter (or, with sync off, keep accumulating) the unit's unsharded gradients and
+        reshard if ``reshard_after_backward``: what a post-backward hook does."""
+        self._state.post_backward()
+
+
+class StateView:
+    """torch's ``FSDPState`` as torch code reads it (``fully_shard.state(module)``)."""
+
+    def __init__(self, state: FSDPState) -> None:
+        self._state = state
+
+    @property
+    def _fsdp_param_group(self) -> GroupView | None:
+        return GroupView(self._state) if self._state.group is not None else None
+
+    @property
+    def _fsdp_param_groups(self) -> list[GroupView]:
+        group = self._fsdp_param_group
+        return [group] if group is not None else []
+
+    @property
+    def _is_root(self) -> bool | None:
+        return self._state.is_root if self._state.root is not None else None
+
+    @property
+    def _state_ctx(self) -> _StateContextView:
+        return _StateContextView(self._state)
+
+    def _root_post_backward_final_callback(self) -> None:
+        """End of backward, run by hand (pipelining's REDUCE_GRAD): reduce what is left, reshard,
+        finish the reductions (on the root's ``set_is_last_backward``)."""
+        root = self._state.root
+        if root is None:
+            return
+        owner = next((s for s in root.states if s.is_root), self._state)
+        owner._root_final_callback()
+
+
+class _StateContextView:
+    def __init__(self, state: FSDPState) -> None:
+        self._state = state
+
+    @property
+    def all_states(self) -> list[StateView]:
+        root = self._state.root
+        return [StateView(s) for s in root.states] if root is not None else [StateView(self._state)]
