@@ -109,7 +109,7 @@ class CommContext:
         """A timing-enabled event recorded on ``stream`` (tracing only; accelerators only)."""
         return stream.record_event(self._mod.Event(enable_timing=True))
 
-    def wait_for(self, stream_name: str, pending: Pending) -> None:
+    def order_after(self, stream_name: str, pending: Pending) -> None:
         """Order what is issued next on the named stream after ``pending``'s collective: an event wait
         on accelerators (the host goes on); on CPU, where nothing else orders work, the host waits."""
         if not self.accelerated:

@@ -49,7 +49,9 @@ class CollectiveTiming:
 
 
 @dataclass
-class Event:
+class TraceEvent:
+    """One runtime event of one unit (not a device event: ``torch.Event`` is that)."""
+
     kind: EventKind
     fqn: str  # the FSDP unit's module FQN ("" for the root)
     phase: Phase
@@ -66,17 +68,26 @@ class Event:
         return f"{self.kind.value} {self.fqn or '<root>'}"
 
 
-Observer = Callable[[Event], None]
+Observer = Callable[[TraceEvent], None]
 _observers: list[Observer] = []
 
 
-def emit(event: Event) -> None:
+def emit(event: TraceEvent) -> None:
     for observer in _observers:
         observer(event)
 
 
 def enabled() -> bool:
     return bool(_observers)
+
+
+def emit_if_observed(kind: EventKind, fqn: str, phase: Phase, **fields: Any) -> TraceEvent | None:
+    """Build and emit the event only while an observer is registered (else one truthiness check)."""
+    if not _observers:
+        return None
+    event = TraceEvent(kind, fqn, phase, **fields)
+    emit(event)
+    return event
 
 
 @contextlib.contextmanager
@@ -90,8 +101,8 @@ def observe(observer: Observer) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def record() -> Iterator[list[Event]]:
+def record() -> Iterator[list[TraceEvent]]:
     """Collect the events of the block into a list: ``with record() as events: ...``."""
-    events: list[Event] = []
+    events: list[TraceEvent] = []
     with observe(events.append):
         yield events

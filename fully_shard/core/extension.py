@@ -353,7 +353,7 @@ class GatherPlan:
                 p.extension.check_inputs(ext_inputs)
                 pieces = [t.reshape(-1) for t in ext_inputs]
             else:
-                pieces = [t.to(self.device, self.param_dtype, non_blocking=True) for t in p.copy_in_parts()]
+                pieces = [t.to(self.param_dtype) for t in p.copy_in_parts(self.device)]
             parts += [t.view(torch.uint8) for t in pieces] if self.as_bytes else pieces
         torch.cat(parts, out=out.narrow(0, rank * self.shard_units, self.shard_units))
         return out

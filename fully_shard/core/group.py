@@ -24,12 +24,12 @@ import torch
 from ..comm import collectives, trace
 from ..comm.streams import CommContext, Pending
 from ..parallel.mesh import MeshInfo, SubgroupInfo
-from . import extension
+from . import buffers, extension
 from .layout import FlatLayout
 from .param import ShardedParam
 from .policy import AllGatherPolicy, MixedPrecisionPolicy, QuantizedAllGather
 from .quantize import BlockLayout
-from .reduce import GroupReduce, ReduceQueue, ReduceSettings, _PendingReduce
+from .reduce import ReduceQueue, Reducer
 
 __all__ = ["GroupState", "ParamGroup", "ReduceQueue"]
 
@@ -60,14 +60,13 @@ class GroupState(enum.Enum):
     PARTIALLY_SHARDED = "partially_sharded"  # sharded over a k-rank subgroup after forward
 
 
-class ParamGroup(GroupReduce):
+class ParamGroup:
     """All managed parameters of one fully_shard call, communicated together."""
 
     def __init__(self, params: list[ShardedParam], fqn: str, mesh_info: MeshInfo, device: torch.device,
                  mp_policy: MixedPrecisionPolicy, subgroup: SubgroupInfo | None, *,
                  all_gather_policy: AllGatherPolicy = AllGatherPolicy()) -> None:
         self.params = params
-        self.fqn = fqn
         self.mesh_info = mesh_info
         self.device = device
         self.mp_policy = mp_policy
@@ -78,22 +77,27 @@ class ParamGroup(GroupReduce):
                        if isinstance(all_gather_policy, QuantizedAllGather) else None)
         self.state = GroupState.SHARDED
         self.comm: CommContext | None = None  # the root's, set at lazy init
-        self._pending_unshard: tuple[torch.Tensor, Pending, trace.Event | None] | None = None
+        self._pending_unshard: tuple[torch.Tensor, Pending, trace.TraceEvent | None] | None = None
         self.gather_plan: extension.GatherPlan | None = None  # tensor-subclass params (extension.py)
         self._partial_shard: torch.Tensor | None = None
-        self._pending_reduces: list[_PendingReduce] = []
-        self._partial_reduce_output: torch.Tensor | None = None  # HSDP without all-reduce
+        self.reducer = Reducer(fqn, mesh_info, device)  # the reduce side: its settings, flags, reduces in flight
         self._grad_flat: tuple[tuple[bool, ...], list[ShardedParam], FlatLayout] | None = None
         # List units: the parameters of members that ran forward since the last synced backward;
         # None: every parameter (one-module units). See design/hooks.md, "List units".
         self._used: set[int] | None = None
-        self.requires_gradient_sync = True
-        self.requires_all_reduce = True
         self.reshard_after_backward = True
         self.unshard_in_backward = True  # set_unshard_in_backward
         self.all_gather_comm: Any = None  # set_custom_all_gather / PG allocation: allocate() + __call__()
-        self.reduce_settings = ReduceSettings()  # the reduce side's set_* calls (reduce.py)
         self._check_dtypes()
+
+    @property
+    def fqn(self) -> str:
+        """The unit's module FQN relative to the root ("" for the root), known from lazy init on."""
+        return self.reducer.fqn
+
+    @fqn.setter
+    def fqn(self, fqn: str) -> None:
+        self.reducer.fqn = fqn
 
     # --- dtypes ---------------------------------------------------------------------------------
     def _check_dtypes(self) -> None:
@@ -147,9 +151,10 @@ class ParamGroup(GroupReduce):
         if not p.requires_grad:
             return False
         used = self._used is None or id(p) in self._used
-        if used and self.reduce_settings.unused_params is not False:  # False: torch's skip, see below
+        reducer = self.reducer
+        if used and reducer.settings.unused_params is not False:  # False: torch's skip, see below
             return True
-        if not self.requires_all_reduce or self._partial_reduce_output is not None:
+        if not reducer.requires_all_reduce or reducer.partial_output is not None:
             return True  # HSDP without all-reduce sums outputs across reduces: one layout
         return p.unsharded_accumulated_grad is not None or (
             p.unsharded_param is not None and p.unsharded_param.grad is not None)
@@ -187,12 +192,8 @@ class ParamGroup(GroupReduce):
                                f"{names}, found {self.state.name}")
         self.state = new
 
-    def _emit(self, kind: trace.EventKind, phase: trace.Phase, **kw: object) -> trace.Event | None:
-        if not trace.enabled():
-            return None
-        event = trace.Event(kind, self.fqn, phase, **kw)  # type: ignore[arg-type]
-        trace.emit(event)
-        return event
+    def _emit(self, kind: trace.EventKind, phase: trace.Phase, **kw: object) -> trace.TraceEvent | None:
+        return trace.emit_if_observed(kind, self.fqn, phase, **kw)
 
     @property
     def _comm(self) -> CommContext:
@@ -258,14 +259,14 @@ class ParamGroup(GroupReduce):
             if self.gather_plan is not None:  # (never partial nor quantized: GatherPlan.of)
                 return self.gather_plan.copy_in(self.mesh_info.shard_rank)
             if self.blocks is not None:  # (never partial: check_all_gather_policy)
-                return collectives.quantized_all_gather_copy_in(self.params, self.blocks, self.mesh_info.shard_rank,
+                return buffers.quantized_all_gather_copy_in(self.params, self.blocks, self.mesh_info.shard_rank,
                                                                 self.flat.world, self.device, alloc=alloc)
             if not partial:
-                return collectives.all_gather_copy_in(self.params, self.flat, self.mesh_info.shard_rank,
+                return buffers.all_gather_copy_in(self.params, self.flat, self.mesh_info.shard_rank,
                                                       self.param_dtype, self.device, alloc=alloc)
             assert self.subgroup is not None and self._partial_shard is not None
             block, self._partial_shard = self._partial_shard, None
-            return collectives.partial_all_gather_copy_in(block, self.flat, self.subgroup, self.param_dtype,
+            return buffers.partial_all_gather_copy_in(block, self.flat, self.subgroup, self.param_dtype,
                                                           self.device, alloc=alloc)
 
     def _issue_all_gather(self, out: torch.Tensor, over: SubgroupInfo) -> Pending:
@@ -302,9 +303,9 @@ class ParamGroup(GroupReduce):
             if self.gather_plan is not None:
                 self.gather_plan.copy_out(out)
             elif self.blocks is not None:
-                collectives.quantized_all_gather_copy_out(out, self.params, self.blocks, self.param_dtype)
+                buffers.quantized_all_gather_copy_out(out, self.params, self.blocks, self.param_dtype)
             else:
-                collectives.all_gather_copy_out(out, self.params, self.flat)
+                buffers.all_gather_copy_out(out, self.params, self.flat)
         self._comm.hold_all_gather_buffer(out)
         for p in self.params:
             p.register_unsharded()
@@ -326,7 +327,7 @@ class ParamGroup(GroupReduce):
         if keep:
             assert self.subgroup is not None
             with torch.no_grad():
-                self._partial_shard = collectives.partial_shard_copy_in(self.params, self.flat, self.subgroup)
+                self._partial_shard = buffers.partial_shard_copy_in(self.params, self.flat, self.subgroup)
         for p in self.params:
             p.free_unsharded()
             p.register_sharded()
@@ -343,10 +344,17 @@ class ParamGroup(GroupReduce):
             self._pending_unshard = None
             self.state = GroupState.UNSHARDED  # nothing copied out: reshard() frees and re-registers
         self.reshard()
-        self.discard_reduces()
+        self.reducer.discard(self.params)
         self.clear_used()
 
     # --- gradients (always reduced in, or finished after, a backward) ---------------------------
+    def reduce_grads(self, *, reshard_first: bool = False) -> bool:
+        """Post-backward: hand the unsharded grads to the reducer; True when a reduce was issued.
+        ``reshard_first``: free the unsharded params once their grads are taken (see ``Reducer.reduce``)."""
+        params, flat = self._grad_layout()
+        before_alloc = (lambda: self.reshard(trace.Phase.BACKWARD)) if reshard_first else None
+        return self.reducer.reduce(params, flat, self.reduce_dtype, self._comm, before_alloc=before_alloc)
+
     def has_unsharded_grads(self) -> bool:
         return any(p.unsharded_param is not None and p.unsharded_param.grad is not None
                    for p in self.grad_params)

@@ -88,13 +88,13 @@ class FSDPModule:
         """False: accumulate unsharded grads locally with no collective (gradient accumulation)."""
         for state in self._fsdp_states(recurse):
             if state.group is not None:
-                state.group.requires_gradient_sync = requires_gradient_sync
+                state.group.reducer.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False skips the cross-replica all-reduce (grads keep accumulating per replica)."""
         for state in self._fsdp_states(recurse):
             if state.group is not None:
-                state.group.requires_all_reduce = requires_all_reduce
+                state.group.reducer.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
         for state in self._fsdp_states(recurse):
@@ -139,7 +139,7 @@ class FSDPModule:
             raise ValueError(f"set_gradient_divide_factor expects a finite number > 0, got {factor!r}. "
                              "Fix: pass e.g. 1.0 for the pure sum or the global batch size.")
         for group in self._groups():
-            group.reduce_settings.divide_factor = float(factor)
+            group.reducer.settings.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated name of :meth:`set_gradient_divide_factor` (as in torch)."""
@@ -151,7 +151,7 @@ class FSDPModule:
         """True: only SUM collectives; the average (or divide factor) is a separate scale afterwards
         (split around the collective for fp16, as torch)."""
         for group in self._groups():
-            group.reduce_settings.force_sum = bool(enable)
+            group.reducer.settings.force_sum = bool(enable)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """``hook(reduced_shard)`` after the reduce-scatter (1-D mesh) or after the replica all-reduce
@@ -166,15 +166,15 @@ class FSDPModule:
             if stream is not None and group.device.type == "cpu":
                 raise ValueError("set_all_reduce_hook: device 'cpu' has no streams; the hook runs on the host "
                                  "after the reduce-scatter finished. Fix: pass stream=None.")
-            group.reduce_settings.all_reduce_hook = hook
-            group.reduce_settings.hook_stream = stream
+            group.reducer.settings.all_reduce_hook = hook
+            group.reducer.settings.hook_stream = stream
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """True: a parameter with no gradient on this rank sends zeros (this library's default, safe
         when ranks use different parameters). False: torch's default, such a parameter is left out of
         the reduce-scatter and keeps ``.grad = None``; every rank must then leave out the same ones."""
         for group in self._groups(recurse):
-            group.reduce_settings.unused_params = bool(reduce_scatter_unused_params)
+            group.reducer.settings.unused_params = bool(reduce_scatter_unused_params)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """At most ``max_input_buffers`` reduce-scatters (their input buffers) in flight at once; the
@@ -184,14 +184,14 @@ class FSDPModule:
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
         for group in self._groups(recurse):
-            group.reduce_settings.max_input_buffers = max_input_buffers
+            group.reducer.settings.max_input_buffers = max_input_buffers
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Run the reduce-scatters on their own process group over the shard ranks (one per rank set),
         so they can progress beside the all-gathers; collective: call it on every rank."""
         created: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for group in self._groups(recurse):
-            settings = group.reduce_settings
+            settings = group.reducer.settings
             if not enable:
                 settings.group = None
                 continue
@@ -219,25 +219,25 @@ class FSDPModule:
         ``comm(output_tensor=, input_tensor=, group=, op=, async_op=)`` reduces."""
         comms.check_comm(comm, "set_custom_reduce_scatter", "output_tensor, input_tensor, group, op, async_op")
         for group in self._groups():
-            group.reduce_settings.comm = comm
+            group.reducer.settings.comm = comm
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Take the communication buffers from the process group's allocator (NCCL zero-copy). A
         backend without one (gloo) warns once and keeps ``torch.empty``."""
         for group in self._groups():
-            if not (comms.is_builtin(group.all_gather_comm) and comms.is_builtin(group.reduce_settings.comm)):
+            if not (comms.is_builtin(group.all_gather_comm) and comms.is_builtin(group.reducer.settings.comm)):
                 raise ValueError("set_allocate_memory_from_process_group_for_comm cannot be combined with "
                                  "set_custom_all_gather/set_custom_reduce_scatter (they allocate their own "
                                  "buffers). Fix: allocate from the process group inside your comm object.")
             shard = group.mesh_info.shard_group
-            rs_group = group.reduce_settings.group or shard
+            rs_group = group.reducer.settings.group or shard
             if enable and not comms.supports_tensor_alloc(shard, group.device):
                 comms.warn_once("set_allocate_memory_from_process_group_for_comm", group.device,
                                 comms.backend_name(shard), "the backend has no tensor allocator; buffers come "
                                 "from torch.empty")
                 enable = False
             group.all_gather_comm = comms.PGAllocAllGather(shard) if enable else None
-            group.reduce_settings.comm = comms.PGAllocReduceScatter(rs_group) if enable else None
+            group.reducer.settings.comm = comms.PGAllocReduceScatter(rs_group) if enable else None
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Symmetric-memory all-gather buffers: not implemented (needs CUDA + NCCL symmetric memory);

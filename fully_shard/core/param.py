@@ -121,9 +121,12 @@ class ShardedParam:
                 host = host.pin_memory()
             torch.utils.swap_tensors(self.sharded_param, self._wrap_local(host))
 
-    def copy_in_parts(self) -> list[torch.Tensor]:
-        """Flat pieces that make this rank's padded shard: the local shard, then zero padding."""
+    def copy_in_parts(self, device: torch.device) -> list[torch.Tensor]:
+        """Flat pieces on ``device`` that make this rank's padded shard: the local shard, then zero
+        padding. With CPU offload the shard is copied from the host here (asynchronously: pinned)."""
         local = self.moved(self.sharded_local).reshape(-1)
+        if local.device != device:
+            local = local.to(device, non_blocking=True)
         pad = self.layout.padding_numel(self.mesh_info.shard_rank)
         return [local, local.new_zeros(pad)] if pad else [local]
 

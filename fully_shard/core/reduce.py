@@ -1,6 +1,6 @@
 """The gradient side of a ParamGroup: reduce-scatter (+ HSDP all-reduce), scaling, hooks, ReduceQueue.
 
-See design/data-path.md ("Gradient reduction"). ``GroupReduce`` is mixed into ``ParamGroup``: it packs
+See design/data-path.md ("Gradient reduction"). A ``Reducer``, owned by each ``ParamGroup``, packs
 the unsharded grads, issues the reduce-scatter (the built-in one or a ``set_custom_reduce_scatter``
 object), the HSDP all-reduce, runs ``set_all_reduce_hook``'s hook and the gradient divide factor, and
 assigns the sharded ``.grad``. ``ReduceQueue`` bounds the reduces of one root that are in flight.
@@ -12,18 +12,17 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..comm import collectives, trace
 from ..comm.streams import CommContext, Pending
+from ..parallel.mesh import MeshInfo
+from . import buffers
 from .layout import FlatLayout
 from .param import ShardedParam
-
-if TYPE_CHECKING:
-    from ..parallel.mesh import MeshInfo
 
 SUM: dist.ReduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
 _NO_OVERFLOW_RISK = (torch.float32, torch.bfloat16, torch.float64)
@@ -71,7 +70,9 @@ def reduce_ops(settings: ReduceSettings, world: int, dtype: torch.dtype) -> Redu
 
 
 @dataclass
-class _PendingReduce:
+class PendingReduce:
+    """One reduce in flight: what to wait on, and where its result goes."""
+
     output: torch.Tensor | None  # this rank's reduced flat shard (reduce dtype); None: HSDP kept it to sum
     reduce_scatter: Pending
     all_reduce: Pending | None  # HSDP: issued right after the reduce-scatter, waited with it
@@ -80,53 +81,49 @@ class _PendingReduce:
     params: list[ShardedParam]  # whose grads the output holds, at ``flat``'s offsets
     flat: FlatLayout
     ops: ReduceOps
+    comm: CommContext  # the context it was issued in (waited in the same)
 
 
-class GroupReduce:
-    """The reduce-side methods of ``ParamGroup`` (its attributes are set in ``ParamGroup.__init__``)."""
+class Reducer:
+    """The reduce side of one ``ParamGroup``, owned by it: reduce-scatter (+ HSDP all-reduce), hook,
+    divide factor, sharded ``.grad``; the sync flags and the ``set_*`` settings of that side."""
 
-    fqn: str
-    mesh_info: MeshInfo
-    device: torch.device
-    requires_gradient_sync: bool
-    requires_all_reduce: bool
-    reduce_settings: ReduceSettings
-    _pending_reduces: list[_PendingReduce]
-    _partial_reduce_output: torch.Tensor | None
+    def __init__(self, fqn: str, mesh_info: MeshInfo, device: torch.device) -> None:
+        self.fqn = fqn
+        self.mesh_info = mesh_info
+        self.device = device
+        self.settings = ReduceSettings()  # the reduce side's set_* calls
+        self.requires_gradient_sync = True  # set_requires_gradient_sync
+        self.requires_all_reduce = True  # set_requires_all_reduce (HSDP)
+        self.pending: list[PendingReduce] = []
+        self.partial_output: torch.Tensor | None = None  # HSDP without all-reduce: the sum so far
 
-    if TYPE_CHECKING:
-        @property
-        def _comm(self) -> CommContext: ...
-        @property
-        def reduce_dtype(self) -> torch.dtype: ...
-        def _grad_layout(self) -> tuple[list[ShardedParam], FlatLayout]: ...
-        def reshard(self, phase: trace.Phase = trace.Phase.EXPLICIT, *, partial: bool = False) -> None: ...
-        def _emit(self, kind: trace.EventKind, phase: trace.Phase, **kw: object) -> trace.Event | None: ...
+    def reduce(self, params: list[ShardedParam], flat: FlatLayout, reduce_dtype: torch.dtype, comm: CommContext,
+               *, before_alloc: Callable[[], None] | None = None) -> bool:
+        """Post-backward: reduce-scatter the unsharded grads of ``params`` (laid out by ``flat``), or
+        stash them when sync is off; True when a reduce was issued (the caller queues it, see
+        ``ReduceQueue``).
 
-    def reduce_grads(self, *, reshard_first: bool = False) -> bool:
-        """Post-backward: reduce-scatter the unsharded grads (or stash them when sync is off); True
-        when a reduce was issued (the caller queues the group, see ``ReduceQueue``).
-
-        ``reshard_first``: free the unsharded params once their grads are taken, before the reduce
-        buffers are allocated (as torch's FSDP2 does): the peak holds one unit's params less."""
-        params, flat = self._grad_layout()
+        ``before_alloc`` runs once the grads are taken and before the reduce buffers are allocated (the
+        group frees its unsharded params there, as torch's FSDP2 does: the peak holds one unit's params
+        less)."""
         if not params:
             return False
         if not self.requires_gradient_sync:
             for p in params:
-                p.stash_unsharded_grad(self.reduce_dtype)
+                p.stash_unsharded_grad(reduce_dtype)
             return False
         grads = [p.take_unsharded_grad() for p in params]
         if all(g is None for g in grads):
             return False
-        if reshard_first:
-            self.reshard(trace.Phase.BACKWARD)
-        ctx, settings = self._comm, self.reduce_settings
-        ops = reduce_ops(settings, self.mesh_info.shard_world * self.mesh_info.replicate_world, self.reduce_dtype)
+        if before_alloc is not None:
+            before_alloc()
+        ctx, settings = comm, self.settings
+        ops = reduce_ops(settings, self.mesh_info.shard_world * self.mesh_info.replicate_world, reduce_dtype)
         alloc = settings.comm.allocate if settings.comm is not None else None
         with torch.no_grad():
             ctx.release_reduce_scatter_input()
-            inp = collectives.reduce_scatter_copy_in(grads, params, flat, self.reduce_dtype, self.device, alloc=alloc)
+            inp = buffers.reduce_scatter_copy_in(grads, params, flat, reduce_dtype, self.device, alloc=alloc)
             del grads
             if ops.pre_divide is not None:
                 inp.div_(ops.pre_divide)
@@ -141,28 +138,28 @@ class GroupReduce:
                 rs_stream = ctx.stream("reduce_scatter")
                 ctx.wait_stream(rs_stream, ctx.current_stream())
                 with ctx.on(rs_stream):
-                    out = collectives.allocate(alloc, flat.shard_numel, self.reduce_dtype, self.device)
+                    out = collectives.allocate(alloc, flat.shard_numel, reduce_dtype, self.device)
                 pending = ctx.issue("reduce_scatter", lambda a: collectives.reduce_scatter(
                     out, inp, group, ops.reduce_scatter, a, comm=settings.comm))
         if ctx.accelerated:  # keep the input until its collective is done (see streams.py)
             ctx.hold_reduce_scatter_input(inp, pending.event)
-        self._emit(trace.EventKind.REDUCE_SCATTER, trace.Phase.BACKWARD,
-                   nbytes=inp.nbytes, group_size=self.mesh_info.shard_world, timing=pending.timing)
+        trace.emit_if_observed(trace.EventKind.REDUCE_SCATTER, self.fqn, trace.Phase.BACKWARD,
+                               nbytes=inp.nbytes, group_size=self.mesh_info.shard_world, timing=pending.timing)
         output: torch.Tensor | None = out
         all_reduce = None
         if self.mesh_info.replicate_group is not None:
             assert out is not None  # in_place excludes HSDP
-            output, all_reduce = self._all_reduce_replicas(out, pending, ops)
+            output, all_reduce = self._all_reduce_replicas(out, pending, ops, ctx)
         # CPU: the input stays alive until waited where the backend's work handle is all we hold (a
         # future-less backend) and where it is all-reduced in place; a future lets it go when done.
         cpu_input = inp if in_place or pending.work is not None else None
-        item = _PendingReduce(output, pending, all_reduce, cpu_input, in_place, params, flat, ops)
+        item = PendingReduce(output, pending, all_reduce, cpu_input, in_place, params, flat, ops, ctx)
         if in_place and pending.future is not None:
             pending.future = pending.future.then(partial(self._take_row, item))
-        self._pending_reduces.append(item)
+        self.pending.append(item)
         return True
 
-    def _take_row(self, item: _PendingReduce, done: torch.futures.Future[Any] | None = None) -> None:
+    def _take_row(self, item: PendingReduce, done: torch.futures.Future[Any] | None = None) -> None:
         """gloo's thread, as soon as an in-place all-reduce is done: copy this rank's row out as the
         output and let the input go (the backend's work drops its own reference right after), so an
         in-flight reduce holds its input only while it runs, not until it is waited."""
@@ -172,72 +169,70 @@ class GroupReduce:
         item.output = item.cpu_input.view(-1, item.flat.shard_numel)[self.mesh_info.shard_rank].clone()
         item.cpu_input = None
 
-    def finish_reduces(self) -> None:
-        """Wait for this group's reduce-scatters (and HSDP all-reduces); run the all-reduce hook and the
-        divide factor; assign sharded grads."""
-        if not self._pending_reduces:
+    def finish(self) -> None:
+        """Wait for the reduce-scatters (and HSDP all-reduces) in flight; run the all-reduce hook and
+        the divide factor; assign sharded grads."""
+        if not self.pending:
             return
-        for item in self._pending_reduces:
-            item.reduce_scatter.wait(self._comm)
+        for item in self.pending:
+            item.reduce_scatter.wait(item.comm)
             if item.all_reduce is not None:
-                item.all_reduce.wait(self._comm)
+                item.all_reduce.wait(item.comm)
             if item.in_place and item.cpu_input is not None:  # no future: the row is taken here
                 self._take_row(item)
             if item.output is not None:
-                self._run_all_reduce_hook(item.output)
+                self._run_all_reduce_hook(item.output, item.comm)
                 if item.ops.post_divide is not None and item.ops.post_divide != 1:
                     item.output.div_(item.ops.post_divide)
                 self._assign_grads(item.output, item.params, item.flat)
-        self._pending_reduces.clear()
-        self._emit(trace.EventKind.REDUCE_DONE, trace.Phase.BACKWARD)
+        self.pending.clear()
+        trace.emit_if_observed(trace.EventKind.REDUCE_DONE, self.fqn, trace.Phase.BACKWARD)
 
-    def discard_reduces(self) -> None:
+    def discard(self, params: list[ShardedParam]) -> None:
         """``reset_iter_state``: wait for the collectives in flight (every rank issued them) and drop
-        their results, the HSDP partial sums and the no-sync accumulators: the failed step's gradients
-        are lost, as in torch."""
-        for item in self._pending_reduces:
-            item.reduce_scatter.wait(self._comm)
+        their results, the HSDP partial sums and the no-sync accumulators of ``params``: the failed
+        step's gradients are lost, as in torch."""
+        for item in self.pending:
+            item.reduce_scatter.wait(item.comm)
             if item.all_reduce is not None:
-                item.all_reduce.wait(self._comm)
-        self._pending_reduces.clear()
-        self._partial_reduce_output = None
-        for p in self.params:  # type: ignore[attr-defined]
+                item.all_reduce.wait(item.comm)
+        self.pending.clear()
+        self.partial_output = None
+        for p in params:
             p.unsharded_accumulated_grad = None
             if p.unsharded_param is not None:
                 p.unsharded_param.grad = None
 
-    def _run_all_reduce_hook(self, output: torch.Tensor) -> None:
+    def _run_all_reduce_hook(self, output: torch.Tensor, ctx: CommContext) -> None:
         """``hook(reduced shard)``, in the reduce dtype, before the divide factor (torch's order)."""
-        hook = self.reduce_settings.all_reduce_hook
+        hook = self.settings.all_reduce_hook
         if hook is None:
             return
-        ctx = self._comm
-        stream = self.reduce_settings.hook_stream or ctx.stream("all_reduce")
+        stream = self.settings.hook_stream or ctx.stream("all_reduce")
         ctx.wait_stream(stream, ctx.current_stream())
         with ctx.on(stream):
             hook(output)
         ctx.wait_stream(ctx.current_stream(), stream)
 
-    def _all_reduce_replicas(self, output: torch.Tensor, reduce_scatter: Pending,
-                             ops: ReduceOps) -> tuple[torch.Tensor | None, Pending | None]:
+    def _all_reduce_replicas(self, output: torch.Tensor, reduce_scatter: Pending, ops: ReduceOps,
+                             ctx: CommContext) -> tuple[torch.Tensor | None, Pending | None]:
         """HSDP: issue the reduction of the reduce-scattered shard across replicas as soon as the
         reduce-scatter is done, on its own stream, so it overlaps the next unit's backward (or keep
         accumulating under ``set_requires_all_reduce(False)``). Returns the output and its all-reduce."""
-        ctx = self._comm
-        ctx.wait_for("all_reduce", reduce_scatter)
+        ctx.order_after("all_reduce", reduce_scatter)
         with ctx.on(ctx.stream("all_reduce")):
-            if self._partial_reduce_output is not None:
-                output = output + self._partial_reduce_output
-                self._partial_reduce_output = None
+            if self.partial_output is not None:
+                output = output + self.partial_output
+                self.partial_output = None
         if not self.requires_all_reduce:
-            self._partial_reduce_output = output
+            self.partial_output = output
             return None, None
         group = self.mesh_info.replicate_group
         assert group is not None
         pending = ctx.issue("all_reduce", lambda a: collectives.all_reduce(output, group, ops.all_reduce,
                                                                            async_op=a))
-        self._emit(trace.EventKind.ALL_REDUCE, trace.Phase.BACKWARD,
-                   nbytes=output.nbytes, group_size=self.mesh_info.replicate_world, timing=pending.timing)
+        trace.emit_if_observed(trace.EventKind.ALL_REDUCE, self.fqn, trace.Phase.BACKWARD, nbytes=output.nbytes,
+                               group_size=self.mesh_info.replicate_world, timing=pending.timing)
         return output, pending
 
     def _assign_grads(self, output: torch.Tensor, params: list[ShardedParam], flat: FlatLayout) -> None:
@@ -251,9 +246,8 @@ class GroupReduce:
                 p.run_post_accumulate_grad_hooks()
 
 
-
 class ReduceQueue:
-    """The groups of one root with reduces in flight, oldest first. Before a group allocates its
+    """The reducers of one root's groups with reduces in flight, oldest first. Before a group allocates its
     reduce buffers, ``make_room`` finishes the oldest until fewer than the limit remain, so at most
     ``limit`` reduces (the new one included) are ever in flight and their buffers stay bounded instead
     of piling up until the end of backward.
@@ -273,7 +267,7 @@ class ReduceQueue:
         self.max_in_flight = 2 if accelerated else 1
         self.at_once_fraction = 0.0 if accelerated else 1 / 3
         self.units = 1  # units with parameters under this root (set at lazy init)
-        self._groups: deque[GroupReduce] = deque()
+        self._reducers: deque[Reducer] = deque()
         self._pushed = 0  # reduces pushed since the last drain: 0 = the next is a backward's first
 
     @property
@@ -281,31 +275,31 @@ class ReduceQueue:
         """How many of a backward's first reduces finish at once (0 on accelerators)."""
         return max(1, int(self.units * self.at_once_fraction)) if self.at_once_fraction else 0
 
-    def _limit(self, group: GroupReduce | None) -> int:
-        k = group.reduce_settings.max_input_buffers if group is not None else None
+    def _limit(self, reducer: Reducer | None) -> int:
+        k = reducer.settings.max_input_buffers if reducer is not None else None
         return self.max_in_flight if k is None else k
 
-    def make_room(self, group: GroupReduce | None = None) -> None:
-        limit = self._limit(group)
-        while self._groups and len(self._groups) >= limit:
-            self._groups.popleft().finish_reduces()
+    def make_room(self, reducer: Reducer | None = None) -> None:
+        limit = self._limit(reducer)
+        while self._reducers and len(self._reducers) >= limit:
+            self._reducers.popleft().finish()
 
-    def push(self, group: GroupReduce) -> None:
-        if group not in self._groups:
-            self._groups.append(group)
-        limit = self._limit(group)
-        if self._pushed < self.at_once and group.reduce_settings.max_input_buffers is None:
+    def push(self, reducer: Reducer) -> None:
+        if reducer not in self._reducers:
+            self._reducers.append(reducer)
+        limit = self._limit(reducer)
+        if self._pushed < self.at_once and reducer.settings.max_input_buffers is None:
             limit = 0
         self._pushed += 1
-        while len(self._groups) > limit:  # 0: finish right away (no overlap)
-            self._groups.popleft().finish_reduces()
+        while len(self._reducers) > limit:  # 0: finish right away (no overlap)
+            self._reducers.popleft().finish()
 
     def drain(self) -> None:
-        while self._groups:
-            self._groups.popleft().finish_reduces()
+        while self._reducers:
+            self._reducers.popleft().finish()
         self._pushed = 0
 
     def discard(self) -> None:
-        """``reset_iter_state``: forget the queued groups (each discards its own reduces)."""
-        self._groups.clear()
+        """``reset_iter_state``: forget the queued reducers (each group discards its own reduces)."""
+        self._reducers.clear()
         self._pushed = 0

@@ -308,10 +308,10 @@ class FSDPState:
     def _reduce(self, group: ParamGroup) -> None:
         """Reduce-scatter ``group``'s grads and queue it; the root's queue decides when it finishes."""
         reduces = self._root.reduces
-        if group.requires_gradient_sync:
-            reduces.make_room(group)  # before this group's reduce buffers are allocated
+        if group.reducer.requires_gradient_sync:
+            reduces.make_room(group.reducer)  # before this group's reduce buffers are allocated
         if group.reduce_grads(reshard_first=group.reshard_after_backward):
-            reduces.push(group)
+            reduces.push(group.reducer)
 
     def _root_final_callback(self) -> None:
         """End of backward: reduce what no post-backward hook caught, reshard, finish reduces."""
@@ -323,7 +323,7 @@ class FSDPState:
                     self._reduce(group)
                 if group.state is not GroupState.SHARDED and group.reshard_after_backward:
                     group.reshard(Phase.BACKWARD)
-                if group.requires_gradient_sync:
+                if group.reducer.requires_gradient_sync:
                     group.clear_used()
             state.training_state = TrainingState.IDLE
             state._modules_to_run = set()  # a list unit's pass some of whose members never ran

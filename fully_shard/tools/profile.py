@@ -57,7 +57,7 @@ class Profiler:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.steps: list[StepStats] = []
-        self._events: list[trace.Event] = []
+        self._events: list[trace.TraceEvent] = []
         self._mem_samples: dict[str, int] = {}
         self._ctx: contextlib.AbstractContextManager[None] | None = None
         self._t0 = 0.0
@@ -128,7 +128,7 @@ class Profiler:
                 self._ctx.__exit__(None, None, None)
             self._ctx = None
 
-    def _on_event(self, event: trace.Event) -> None:
+    def _on_event(self, event: trace.TraceEvent) -> None:
         if event.kind in _COLLECTIVES:
             self._events.append(event)
         elif event.kind is trace.EventKind.UNSHARD:
@@ -170,7 +170,7 @@ class Profiler:
         self._events = []
         return stats
 
-    def _resolve(self, e: trace.Event, t_end: float) -> Collective:
+    def _resolve(self, e: trace.TraceEvent, t_end: float) -> Collective:
         timing = e.timing
         t_issue, t_done, exposed, t_wait = e.t_start, 0.0, e.exposed_s, 0.0
         if timing is not None and timing.end is not None and self._anchor is not None:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from fully_shard.comm import collectives
-from fully_shard.core.reduce import GroupReduce, ReduceQueue
+from fully_shard.core.reduce import ReduceQueue, Reducer
 from tests.core.common import local_slice, shard_gpt
 from tests.distributed.counting import CountCollectives
 from tests.distributed.harness import distributed
@@ -55,8 +55,8 @@ def _released_before_wait() -> list[dict[str, Any]]:
     seen: list[dict[str, Any]] = []
     push = ReduceQueue.push
 
-    def checking_push(self: ReduceQueue, group: GroupReduce) -> None:
-        item = group._pending_reduces[-1]
+    def checking_push(self: ReduceQueue, reducer: Reducer) -> None:
+        item = reducer.pending[-1]
         record: dict[str, Any] = {"in_place": item.in_place}
         if item.in_place:
             assert item.cpu_input is not None or item.reduce_scatter.done()
@@ -69,7 +69,7 @@ def _released_before_wait() -> list[dict[str, Any]]:
             record.update(dropped=item.cpu_input is None, freed=inp is None or inp() is None,
                           output=item.output is not None and item.output.numel() == item.flat.shard_numel)
         seen.append(record)
-        push(self, group)
+        push(self, reducer)
 
     ReduceQueue.push = checking_push  # type: ignore[method-assign]
     try:
@@ -90,14 +90,14 @@ def test_input_released_when_the_all_reduce_completes() -> None:
 
 
 
-class _FakeGroup:
-    """What ReduceQueue reads of a group: its settings and finish_reduces()."""
+class _FakeReducer:
+    """What ReduceQueue reads of a reducer: its settings and finish()."""
 
     def __init__(self, name: str, finished: list[str]) -> None:
         self.name, self.finished = name, finished
-        self.reduce_settings = type("S", (), {"max_input_buffers": None})()
+        self.settings = type("S", (), {"max_input_buffers": None})()
 
-    def finish_reduces(self) -> None:
+    def finish(self) -> None:
         self.finished.append(self.name)
 
 
@@ -108,7 +108,7 @@ def _finish_order(units: int, *, accelerated: bool = False) -> list[tuple[str, l
     finished: list[str] = []
     seen = []
     for i in reversed(range(units)):
-        group = _FakeGroup(f"u{i}", finished)
+        group = _FakeReducer(f"u{i}", finished)
         queue.make_room(group)  # type: ignore[arg-type]
         queue.push(group)  # type: ignore[arg-type]
         seen.append((group.name, list(finished)))

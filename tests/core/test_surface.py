@@ -313,8 +313,8 @@ def _buffers_and_group() -> dict[str, Any]:
     out["separate"] = _pair(separate)
     separate(model)
     group = model.blocks[0]._fsdp.group
-    out["own_group"] = group.reduce_settings.group is not None and \
-        group.reduce_settings.group is not group.mesh_info.shard_group
+    out["own_group"] = group.reducer.settings.group is not None and \
+        group.reducer.settings.group is not group.mesh_info.shard_group
     with pytest.raises(ValueError, match="positive"):
         model.set_reduce_scatter_max_input_buffers(0)
     with pytest.raises(TypeError, match="int"):

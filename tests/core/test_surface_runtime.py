@@ -178,7 +178,7 @@ def _host_side() -> dict[str, Any]:
         out["pg_alloc"] = [_train(pg, None, steps=1)["losses"][0] for _ in range(2)]
         pg.set_reduce_scatter_divide_factor(2.0)
     out["warnings"] = [(w.category.__name__, str(w.message)) for w in caught]
-    out["alias_factor"] = pg._fsdp.group.reduce_settings.divide_factor
+    out["alias_factor"] = pg._fsdp.group.reducer.settings.divide_factor
     pg.set_custom_all_gather(_AllGather())
     with pytest.raises(ValueError, match="cannot be combined"):
         pg.set_allocate_memory_from_process_group_for_comm(True)

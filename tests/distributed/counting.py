@@ -13,13 +13,13 @@ NAMES = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scat
 
 
 def _in_reduce_grads() -> bool:
-    """Issued by fully_shard's ``GroupReduce.reduce_grads`` itself (the dispatcher runs in the issuing
+    """Issued by fully_shard's ``Reducer.reduce`` itself (the dispatcher runs in the issuing
     thread), not by a method it calls (HSDP's replica all-reduce is ``_all_reduce_replicas``'s)."""
     frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
-        if code.co_filename.endswith("fully_shard/reduce.py") and code.co_name != "<lambda>":
-            return code.co_name == "reduce_grads"  # the innermost method in reduce.py
+        if code.co_filename.endswith("fully_shard/core/reduce.py") and code.co_name != "<lambda>":
+            return code.co_name == "reduce"  # the innermost method in core/reduce.py
         frame = frame.f_back  # type: ignore[assignment]
     return False
 
@@ -29,7 +29,7 @@ class CountCollectives(TorchDispatchMode):
 
     On gloo fully_shard's reduce-scatter is an all-reduce of its own input in place (gloo's
     reduce-scatter is an all-reduce of a copy: design/data-path.md); the all-reduce issued from
-    ``reduce_grads`` is counted as the operation it performs, ``reduce_scatter``, so counts compare
+    ``Reducer.reduce`` is counted as the operation it performs, ``reduce_scatter``, so counts compare
     with torch's FSDP2 one for one."""
 
     def __init__(self) -> None:

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fully_shard import MixedPrecisionPolicy
-from fully_shard.comm.trace import Event, EventKind
+from fully_shard.comm.trace import EventKind, TraceEvent
 from tests.core.common import global_mean as global_mean  # re-exported for the policy tests
 from tests.core.common import local_slice as local_slice
 from tests.core.common import max_param_diff, step_pair
@@ -109,11 +109,11 @@ class Emulator:
                 p -= lr * grads[name]
 
 
-def count(events: list[Event], kind: EventKind, **match: Any) -> int:
+def count(events: list[TraceEvent], kind: EventKind, **match: Any) -> int:
     return sum(1 for e in events if e.kind is kind and all(getattr(e, k) == v for k, v in match.items()))
 
 
-def nbytes(events: list[Event], kind: EventKind) -> int:
+def nbytes(events: list[TraceEvent], kind: EventKind) -> int:
     return sum(e.nbytes for e in events if e.kind is kind)
 
 

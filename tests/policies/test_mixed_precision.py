@@ -59,7 +59,7 @@ def _train_vs_emulation(policies: dict[str, MixedPrecisionPolicy], steps: int, l
     seen: dict[str, torch.dtype] = {}
     model.blocks[0].up.register_forward_hook(
         lambda m, args, out: seen.update(weight=m.weight.dtype, input=args[0].dtype, output=out.dtype))
-    first_events: list[trace.Event] = []
+    first_events: list[trace.TraceEvent] = []
     losses = []
     for step, (x, y) in enumerate(batches(steps, batch=4)):
         with trace.record() as events:
