@@ -17,8 +17,8 @@ from torch.distributed.tensor import Placement, Shard
 
 from ..interop.composable import check_not_replicated, mark_fully_shard
 from ..interop.dynamo import mark_managed
-from ..optim.step import track as track_for_optimizer
 from ..parallel.mesh import DataParallelMeshDims, MeshInfo, default_mesh, subgroup
+from . import registry
 from .checks import check_same_call, describe_call
 from .group import ParamGroup
 from .module import FSDPModule
@@ -36,10 +36,6 @@ from .tree import join_fqn
 
 M = TypeVar("M", nn.Module, list)
 
-# Which fully_shard unit owns a parameter (original or sharded object) is recorded as the tensor
-# attribute _OWNER_ATTR = "<Class> (param 'name')". Not a weakref registry: a weakref on a parameter
-# makes torch.utils.swap_tensors (module.to_empty()/.to() on DTensor params) refuse to swap it.
-_OWNER_ATTR = "_fully_shard_owner"
 _CLASS_CACHE: dict[type, type] = {}
 _PIN_WARNED = False
 
@@ -75,7 +71,7 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
     params = _shard_params(slots, mesh_info, device, storage_device, shard_placement_fn, pin)
     _check_dtensor_params(params, reshard_after_forward, mesh_info)
     for (orig, where), sp in zip(slots, params):  # only once every parameter was accepted: a failed call
-        _set_owner(orig, f"{type(where[0][0]).__name__} (param {sp.fqn!r})")  # leaves the module as it was
+        registry.set_owner(orig, f"{type(where[0][0]).__name__} (param {sp.fqn!r})")  # leaves the module as it was
     for m in modules:
         _move_buffers(m, device)
     k_subgroup = subgroup(mesh, mesh_info, reshard_after_forward)
@@ -84,8 +80,8 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
                        all_gather_policy=all_gather_policy) if params else None
     for p in params:
         p.register_sharded()
-        _set_owner(p.sharded_param, f"{unit_name} (param {p.fqn!r})")
-    track_for_optimizer(params, [p for p, _ in slots])  # local-shard optimizer step: design/optimizer-step.md
+        registry.set_owner(p.sharded_param, f"{unit_name} (param {p.fqn!r})")
+    registry.announce_sharded(params, [p for p, _ in slots])  # e.g. the local-shard optimizer step (optim/)
     state = FSDPState(modules, group, mesh_info, device, mp_policy, reshard_after_forward)
     for m in modules:
         m.__dict__["_fsdp_state"] = state
@@ -150,7 +146,7 @@ def _managed_slots(modules: tuple[nn.Module, ...],
                 if p is None or id(p) in ignored:
                     continue
                 fqn = join_fqn(prefix, name)
-                owner = _owner_of(p)
+                owner = registry.owner_of(p)
                 if owner is not None:
                     raise ValueError(
                         f"parameter {fqn!r} of {type(root).__name__} is already managed by another "
@@ -219,14 +215,6 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
         for name, buf in sub._buffers.items():
             if buf is not None and not buf.is_meta and buf.device != device:
                 sub._buffers[name] = buf.to(device)
-
-
-def _owner_of(p: torch.Tensor) -> str | None:
-    return getattr(p, _OWNER_ATTR, None)
-
-
-def _set_owner(p: torch.Tensor, description: str) -> None:
-    setattr(p, _OWNER_ATTR, description)
 
 
 def _fsdp_class(cls: type) -> type:

@@ -17,10 +17,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from ..optim import cache as step_cache
 from ..parallel.mesh import MeshInfo
 from ..parallel.spmd import ParamSpec, local_grad, spec_of
-from . import extension
+from . import extension, registry
 from .layout import DimZeroLayout, contiguous_stride
 
 
@@ -142,7 +141,7 @@ class ShardedParam:
             placements = self.sharded_param.placements
             grad = self._dtensor(local_grad, self.spec.mesh, placements)
             self.sharded_param.grad = grad
-            step_cache.prove_grad(grad, placements)  # the optimizer step's check, done where it is known
+            registry.announce_grad(grad, placements)  # e.g. the optimizer step's check, done where it is known
         else:
             with torch.no_grad():
                 existing.to_local().add_(local_grad)

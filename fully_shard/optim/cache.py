@@ -1,9 +1,9 @@
 """The cache behind the optimizer's local stand-in, and the bulk checks that prove it still holds.
 
-See design/optimizer-step.md (Cache). optimizer.py builds a ``_LocalGroup`` per param group the first
+See design/optimizer-step.md (Cache). optimizer.py builds a ``LocalGroup`` per param group the first
 time it goes local (views of our shards, their state entries mirrored as local tensors); every step
-``_proven_local_grads`` / ``_local_grads``, ``_LocalGroup.entries_unchanged`` and ``_StateSnapshot``
-re-validate it by identity, in bulk (``map`` over C getters), and ``_check_entries`` / ``_mirror``
+``proven_local_grads`` / ``collect_local_grads``, ``LocalGroup.entries_unchanged`` and ``StateSnapshot``
+re-validate it by identity, in bulk (``map`` over C getters), and ``check_entries`` / ``mirror``
 repair what changed. The gradient proof (``prove_grad``) is how a gradient, once checked or made by
 the library, is read in one lookup afterwards.
 """
@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__: list[str] = []
+__all__ = ["TOKEN_ATTR", "LocalGroup", "LocalState", "Slot", "StateSnapshot", "check_entries", "grad_of", "is_",
+           "collect_local_grads", "mirror", "prove_grad", "proven_local_grads", "same", "token_of"]
 
-_TOKEN_ATTR = "_fully_shard_view_token"  # an int: cheap to pickle and deepcopy, unlike the view itself
+TOKEN_ATTR = "_fully_shard_view_token"  # an int: cheap to pickle and deepcopy, unlike the view itself
 # On a DTensor gradient this module checked: (its parameter's placements object, its local tensor).
 _GRAD_PROOF_ATTR = "_fully_shard_local_grad"
 # State entries kept as plain tensors by the DTensor path (a scalar step count), passed through as is.
@@ -31,10 +32,10 @@ _SCALAR_KEYS = frozenset({"step"})
 # --- the local stand-in, cached per optimizer and re-validated every step --------------------------
 # The per-step checks read their columns in bulk (map over C getters): a Python loop per parameter
 # would cost about as much as a plain step's own per-parameter work (design/optimizer-step.md, Cache).
-_is, _is_not = operator.is_, operator.is_not
-_grad_of = operator.attrgetter("grad")
+is_, _is_not = operator.is_, operator.is_not
+grad_of = operator.attrgetter("grad")
 _proof_of_grad = operator.attrgetter(f"grad.{_GRAD_PROOF_ATTR}")
-_token_of = operator.attrgetter(_TOKEN_ATTR)
+token_of = operator.attrgetter(TOKEN_ATTR)
 _placements_of = operator.attrgetter("placements")
 _shape_of, _dtype_of = operator.attrgetter("shape"), operator.attrgetter("dtype")
 _first, _second = operator.itemgetter(0), operator.itemgetter(1)
@@ -42,7 +43,7 @@ _first, _second = operator.itemgetter(0), operator.itemgetter(1)
 
 
 @dataclass(eq=False, slots=True)
-class _Slot:
+class Slot:
     """One of our parameters in a local group: its cached shard view and the state entry it mirrors."""
 
     param: torch.Tensor
@@ -54,12 +55,12 @@ class _Slot:
 
 
 @dataclass(eq=False)
-class _LocalGroup:
+class LocalGroup:
     params: list[torch.Tensor]  # the real group's list, and a copy of its contents
     contents: tuple[torch.Tensor, ...]
     keys: frozenset[str]
     local_params: list[torch.Tensor]  # handed to step(): ours replaced by their views
-    slots: list[_Slot]
+    slots: list[Slot]
     mirrored: bool = False  # every slot's entry was checked (then ``entries``, ``lengths`` and ``columns`` hold it)
     # step_lists: the state key per _init_group list (None: the group's lists are handed over via .grad)
     ready_keys: tuple[str | None, ...] | None = None
@@ -100,13 +101,13 @@ class _LocalGroup:
         if not self.mirrored or tuple(map(len, self.entries)) != self.lengths:
             return False
         try:
-            return all(all(map(_is, map(getter, self.entries), values)) for getter, values in self.columns)
+            return all(all(map(is_, map(getter, self.entries), values)) for getter, values in self.columns)
         except KeyError:
             return False
 
 
 @dataclass(eq=False, slots=True)
-class _StateSnapshot:
+class StateSnapshot:
     """The real ``optimizer.state``'s keys and entries as the last pre-hook left them: when they are the
     same objects again, each cached slot's entry is still ``state[param]``, proven without a lookup per
     parameter (a DTensor key's ``__hash__`` is Python-level)."""
@@ -116,12 +117,12 @@ class _StateSnapshot:
     entries: tuple[dict[str, Any], ...]
 
     @classmethod
-    def of(cls, state: dict[Any, dict[str, Any]]) -> _StateSnapshot:
+    def of(cls, state: dict[Any, dict[str, Any]]) -> StateSnapshot:
         return cls(state, tuple(state), tuple(state.values()))
 
     def matches(self, state: dict[Any, dict[str, Any]]) -> bool:
-        return (state is self.state and len(state) == len(self.keys) and all(map(_is, state, self.keys))
-                and all(map(_is, state.values(), self.entries)))
+        return (state is self.state and len(state) == len(self.keys) and all(map(is_, state, self.keys))
+                and all(map(is_, state.values(), self.entries)))
 
 
 
@@ -139,15 +140,15 @@ class _GradProof(tuple):  # type: ignore[type-arg]
         return type(None), ()
 
 
-def _proven_local_grads(cached: _LocalGroup) -> tuple[tuple[torch.Tensor, ...], bool] | None:
+def proven_local_grads(cached: LocalGroup) -> tuple[tuple[torch.Tensor, ...], bool] | None:
     """The common case in one pass: every parameter's gradient already carries its proof (one C-level
-    ``grad.<proof>`` lookup per parameter); None otherwise (then ``_local_grads`` sorts it out)."""
+    ``grad.<proof>`` lookup per parameter); None otherwise (then ``collect_local_grads`` sorts it out)."""
     try:
         proofs = tuple(map(_proof_of_grad, cached.ours))
     except AttributeError:  # a parameter without a gradient, or a gradient without a proof
         return None
     try:
-        if all(map(_is, map(_first, proofs), cached.placements)):
+        if all(map(is_, map(_first, proofs), cached.placements)):
             return tuple(map(_second, proofs)), True
     except TypeError:  # a proof attribute that is not ours (None after a deepcopy)
         pass
@@ -161,7 +162,7 @@ def prove_grad(grad: DTensor, placements: tuple[Any, ...]) -> None:
         setattr(grad, _GRAD_PROOF_ATTR, _GradProof((placements, grad.to_local())))
 
 
-def _local_grads(cached: _LocalGroup,
+def collect_local_grads(cached: LocalGroup,
                  grads: tuple[Any, ...]) -> tuple[tuple[torch.Tensor | None, ...], bool] | None:
     """The gradients' local tensors (None for a parameter without one) and whether every parameter has
     one; None if a gradient is not a DTensor laid out like its parameter.
@@ -173,11 +174,11 @@ def _local_grads(cached: _LocalGroup,
     copy does not inherit it (``_GradProof``)."""
     proofs: tuple[Any, ...] = tuple(map(getattr, grads, repeat(_GRAD_PROOF_ATTR), repeat(None)))
     try:
-        if all(map(_is, map(_first, proofs), cached.placements)):
+        if all(map(is_, map(_first, proofs), cached.placements)):
             return tuple(map(_second, proofs)), True
     except TypeError:  # a gradient without a proof, or a parameter without a gradient
         pass
-    if all(map(_is, proofs, repeat(None))) and all(map(_is, map(type, grads), repeat(DTensor))):
+    if all(map(is_, proofs, repeat(None))) and all(map(is_, map(type, grads), repeat(DTensor))):
         # new gradients (zero_grad() set them to None): check them in bulk
         if tuple(map(_placements_of, grads)) != cached.placements:
             return None
@@ -192,7 +193,7 @@ def _local_grads(cached: _LocalGroup,
         if grad is None or (proof is not None and proof[0] is placements):
             mixed.append(None if grad is None else proof[1])
             continue
-        if type(grad) is not DTensor or not _same(grad.placements, placements):
+        if type(grad) is not DTensor or not same(grad.placements, placements):
             return None
         local_grad = grad.to_local()
         if local_grad.shape != view.shape or local_grad.dtype != view.dtype:
@@ -202,8 +203,8 @@ def _local_grads(cached: _LocalGroup,
     return tuple(mixed), all(map(_is_not, mixed, repeat(None)))
 
 
-def _check_entries(cached: _LocalGroup, grads: tuple[Any, ...], keys: frozenset[str],
-                   state: dict[Any, dict[str, Any]], local_state: _LocalState) -> bool:
+def check_entries(cached: LocalGroup, grads: tuple[Any, ...], keys: frozenset[str],
+                   state: dict[Any, dict[str, Any]], local_state: LocalState) -> bool:
     """Per slot with a gradient: its state entry and values are the ones mirrored (else mirror them)."""
     mirrored = True
     for slot, grad in zip(cached.slots, grads):
@@ -213,8 +214,8 @@ def _check_entries(cached: _LocalGroup, grads: tuple[Any, ...], keys: frozenset[
         entry = state.get(slot.param)
         if entry is None or len(entry) != len(slot.values):
             return False
-        if (entry is not slot.entry or not all(map(_is, entry.values(), slot.values))) and \
-                not _mirror(slot, entry, keys, local_state):
+        if (entry is not slot.entry or not all(map(is_, entry.values(), slot.values))) and \
+                not mirror(slot, entry, keys, local_state):
             return False
     cached.remember_entries(mirrored)
     return True
@@ -222,14 +223,14 @@ def _check_entries(cached: _LocalGroup, grads: tuple[Any, ...], keys: frozenset[
 
 
 
-def _mirror(slot: _Slot, entry: dict[str, Any], keys: frozenset[str], local_state: _LocalState) -> bool:
+def mirror(slot: Slot, entry: dict[str, Any], keys: frozenset[str], local_state: LocalState) -> bool:
     """Put the local tensors of ``entry`` (a DTensor state entry) in ``local_state`` for ``slot``."""
     if entry.keys() != keys:
         return False
     local_entry: dict[str, Any] = {}
     for k, v in entry.items():
         if isinstance(v, DTensor):
-            if not _same(v.placements, slot.placements):
+            if not same(v.placements, slot.placements):
                 return False
             v = v.to_local()
             if v.shape != slot.local.shape:
@@ -242,11 +243,11 @@ def _mirror(slot: _Slot, entry: dict[str, Any], keys: frozenset[str], local_stat
     return True
 
 
-def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+def same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     return a is b or a == b
 
 
-class _LocalState(dict):  # type: ignore[type-arg]
+class LocalState(dict):  # type: ignore[type-arg]
     """The view's ``state``: the local entries of our shards; any other key reads (and lazily creates,
     as the real defaultdict would) the real optimizer's entry, so plain parameters share their state."""
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
-__all__: list[str] = []
+__all__ = ["Ready", "local_class", "state_keys_of"]
 
 # _init_group's parameters after (self, group) and, per name, the state key whose local tensors fill it.
 _LISTS: dict[type[Optimizer], tuple[tuple[str, str | None], ...]] = {

@@ -34,28 +34,28 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from . import lists as step_lists
+from ..core.registry import OWNER_ATTR
+from . import lists
 from .cache import (
-    _TOKEN_ATTR,
-    _check_entries,
-    _grad_of,
-    _is,
-    _local_grads,
-    _LocalGroup,
-    _LocalState,
-    _mirror,
-    _proven_local_grads,
-    _same,
-    _Slot,
-    _StateSnapshot,
-    _token_of,
+    TOKEN_ATTR,
+    LocalGroup,
+    LocalState,
+    Slot,
+    StateSnapshot,
+    check_entries,
+    collect_local_grads,
+    grad_of,
+    is_,
+    mirror,
+    proven_local_grads,
+    same,
+    token_of,
 )
 
 __all__ = ["StepPath", "get_step_path", "set_step_path"]
 
-# Tensor attributes: who owns a parameter ("<Class> (param 'name')", set by api.py on the original and
-# the sharded parameter), and the mark this module puts on the originals fully_shard replaced.
-_OWNER_ATTR = "_fully_shard_owner"
+# The tensor attribute this module puts on the originals fully_shard replaced (the owner attribute,
+# "<Class> (param 'name')", is set by the core on the original and the sharded parameter: registry.py).
 _REPLACED_ATTR = "_fully_shard_replaced"
 
 
@@ -118,7 +118,7 @@ def track(params: Iterable[_Sharded], replaced: Iterable[torch.Tensor]) -> None:
         _tracked.update(params)
     _epoch += 1
     for p in replaced:
-        setattr(p, _REPLACED_ATTR, getattr(p, _OWNER_ATTR, None) or "a fully_shard unit")
+        setattr(p, _REPLACED_ATTR, getattr(p, OWNER_ATTR, None) or "a fully_shard unit")
     if not _installed:
         register_optimizer_step_pre_hook(_pre_step)
         register_optimizer_step_post_hook(_post_step)
@@ -155,7 +155,7 @@ def _pre_step(optimizer: Optimizer, args: tuple[Any, ...],
     if plan is None or plan.epoch != _epoch or plan.groups_seen != len(optimizer.param_groups):
         # new optimizer, a fully_shard call since (params may have been replaced), or add_param_group()
         _refuse_replaced(optimizer)
-        plan = _plans[optimizer] = _Plan(_epoch, len(optimizer.param_groups), _LocalState(optimizer.state))
+        plan = _plans[optimizer] = _Plan(_epoch, len(optimizer.param_groups), LocalState(optimizer.state))
     state_keys = _STATE_KEYS.get(type(optimizer))
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if _path is StepPath.DTENSOR or state_keys is None or closure is not None:
@@ -200,9 +200,9 @@ def _refuse_replaced(optimizer: Optimizer, params: list[torch.Tensor] | None = N
 class _Plan:
     epoch: int
     groups_seen: int
-    local_state: _LocalState
-    groups: dict[int, _LocalGroup] = field(default_factory=dict)  # by param group index
-    snapshot: _StateSnapshot | None = None
+    local_state: LocalState
+    groups: dict[int, LocalGroup] = field(default_factory=dict)  # by param group index
+    snapshot: StateSnapshot | None = None
 
 
 def _local_optimizer(optimizer: Optimizer, plan: _Plan,
@@ -217,9 +217,9 @@ def _local_optimizer(optimizer: Optimizer, plan: _Plan,
         if not snapshot_matched:
             snapshot_matched.append(plan.snapshot is not None and plan.snapshot.matches(state))
         return snapshot_matched[0]
-    local_cls = step_lists.local_class(type(optimizer))
+    local_cls = lists.local_class(type(optimizer))
     groups, any_local = [], False
-    ready_by_group: dict[int, step_lists.Ready] = {}
+    ready_by_group: dict[int, lists.Ready] = {}
     for i, group in enumerate(optimizer.param_groups):
         keys = state_keys(group)
         cached = plan.groups.get(i)
@@ -240,18 +240,18 @@ def _local_optimizer(optimizer: Optimizer, plan: _Plan,
         else:
             any_local = True
             local_group = {**group, "params": cached.local_params}
-            if isinstance(refreshed, step_lists.Ready):
+            if isinstance(refreshed, lists.Ready):
                 ready_by_group[id(local_group)] = refreshed
             groups.append(local_group)
     if any_local and snapshot_matched != [True]:  # else it would be the same objects again
-        plan.snapshot = _StateSnapshot.of(state)
+        plan.snapshot = StateSnapshot.of(state)
     if not any_local:
         return None
     view = object.__new__(local_cls or type(optimizer))
     view.__dict__.update(optimizer.__dict__)  # defaults, hooks, grad_scale/found_inf set by GradScaler
     view.param_groups = groups
     view.state = local_state  # type: ignore[assignment]
-    view._fully_shard_ready = ready_by_group  # type: ignore[attr-defined]  # read by step_lists._init_group
+    view._fully_shard_ready = ready_by_group  # type: ignore[attr-defined]  # read by lists.py's _init_group
     return view
 
 
@@ -261,11 +261,11 @@ def _may_be_ready(group: dict[str, Any]) -> bool:
     return not (group.get("foreach") and torch.is_tensor(group["lr"]) and not group.get("capturable"))
 
 
-def _prepare_ready(cached: _LocalGroup, cls: type[Optimizer], group: dict[str, Any]) -> None:
-    """Let a group of only our parameters take step_lists' ready path from its next step on."""
+def _prepare_ready(cached: LocalGroup, cls: type[Optimizer], group: dict[str, Any]) -> None:
+    """Let a group of only our parameters take the ready path (lists.py) from its next step on."""
     if not cached.slots or len(cached.local_params) != len(cached.slots):
         return  # plain parameters in the group: torch's loop gathers them (with the views' .grad)
-    keys = step_lists.state_keys_of(cls, group)
+    keys = lists.state_keys_of(cls, group)
     if keys is None:
         return
     if group.get("fused"):
@@ -275,33 +275,33 @@ def _prepare_ready(cached: _LocalGroup, cls: type[Optimizer], group: dict[str, A
     cached.ready_result = cls is not SGD and any(map(torch.is_complex, cached.views))
 
 
-def _refresh(cached: _LocalGroup, params: list[torch.Tensor], keys: frozenset[str],
-             state: dict[Any, dict[str, Any]], local_state: _LocalState,
-             state_unchanged: Callable[[], bool], *, allow_ready: bool = True) -> step_lists.Ready | bool | None:
-    """Hand this step's gradients to the cached group: as ready lists (step_lists) when it has them,
+def _refresh(cached: LocalGroup, params: list[torch.Tensor], keys: frozenset[str],
+             state: dict[Any, dict[str, Any]], local_state: LocalState,
+             state_unchanged: Callable[[], bool], *, allow_ready: bool = True) -> lists.Ready | bool | None:
+    """Hand this step's gradients to the cached group: as ready lists (lists.py) when it has them,
     else on the views' ``.grad`` (True); None if anything the cache relies on changed."""
     if (params is not cached.params or len(params) != len(cached.contents) or keys != cached.keys
-            or not all(map(_is, params, cached.contents))):
+            or not all(map(is_, params, cached.contents))):
         return None
     if not cached.slots:
         return True
     try:
-        if tuple(map(_token_of, cached.ours)) != cached.tokens:
+        if tuple(map(token_of, cached.ours)) != cached.tokens:
             return None  # swap_tensors replaced a parameter's contents (and __dict__): its view is stale
     except AttributeError:
         return None
-    got: tuple[tuple[torch.Tensor | None, ...], bool] | None = _proven_local_grads(cached)
+    got: tuple[tuple[torch.Tensor | None, ...], bool] | None = proven_local_grads(cached)
     if got is None:
-        grads: tuple[Any, ...] = tuple(map(_grad_of, cached.ours))
-        got = _local_grads(cached, grads)
+        grads: tuple[Any, ...] = tuple(map(grad_of, cached.ours))
+        got = collect_local_grads(cached, grads)
         if got is None:
             return None
     else:
-        grads = got[0]  # every parameter has one: what _check_entries asks of them
+        grads = got[0]  # every parameter has one: what check_entries asks of them
     local_grads, complete = got
     if keys and not (state_unchanged() and cached.entries_unchanged()):
         cached.ready_states = None
-        if not _check_entries(cached, grads, keys, state, local_state):
+        if not check_entries(cached, grads, keys, state, local_state):
             return None
     ready = _ready(cached, local_grads, local_state) if allow_ready and complete else None
     if ready is not None:
@@ -315,9 +315,9 @@ def _refresh(cached: _LocalGroup, params: list[torch.Tensor], keys: frozenset[st
     return True
 
 
-def _ready(cached: _LocalGroup, local_grads: tuple[torch.Tensor | None, ...],
-           local_state: _LocalState) -> step_lists.Ready | None:
-    """The group's lists for step_lists, when it takes that path (the caller checked that every
+def _ready(cached: LocalGroup, local_grads: tuple[torch.Tensor | None, ...],
+           local_state: LocalState) -> lists.Ready | None:
+    """The group's ready lists (lists.py), when it takes that path (the caller checked that every
     parameter has a gradient; else torch's loop on the views' .grad skips those without one)."""
     if cached.ready_keys is None or not cached.mirrored:
         return None
@@ -325,12 +325,12 @@ def _ready(cached: _LocalGroup, local_grads: tuple[torch.Tensor | None, ...],
         entries = [local_state[view] for view in cached.views]
         cached.ready_states = tuple(() if key is None else tuple(map(operator.itemgetter(key), entries))
                                     for key in cached.ready_keys)
-    return step_lists.Ready(cached.views, local_grads, cached.ready_states,  # type: ignore[arg-type]
+    return lists.Ready(cached.views, local_grads, cached.ready_states,  # type: ignore[arg-type]
                             cached.ready_result)
 
 
 def _build(params: list[torch.Tensor], keys: frozenset[str], state: dict[Any, dict[str, Any]],
-           local_state: _LocalState) -> _LocalGroup | None:
+           local_state: LocalState) -> LocalGroup | None:
     """Cache a group: with views for our DTensors, or with no slots when it has none of ours or another
     library's DTensor (torch's fully_shard, tensor parallel: the whole group stays on DTensor). None,
     to try again next step, when a state is missing (the step would create it: let DTensor do that, on
@@ -346,19 +346,19 @@ def _build(params: list[torch.Tensor], keys: frozenset[str], state: dict[Any, di
         sp = owned.get(id(p))
         if sp is None:
             if isinstance(p, DTensor):
-                return _LocalGroup(params, tuple(params), keys, [], [])
+                return LocalGroup(params, tuple(params), keys, [], [])
             local_params.append(p)  # a plain parameter: its state is shared as is
             continue
-        slot = _Slot(p, 0, p, p.placements)  # type: ignore[attr-defined]
+        slot = Slot(p, 0, p, p.placements)  # type: ignore[attr-defined]
         slot.local, slot.token = _view(p)
         grad = p.grad
         if grad is None:
             mirrored = False
         else:
-            if type(grad) is not DTensor or not _same(grad.placements, slot.placements):
+            if type(grad) is not DTensor or not same(grad.placements, slot.placements):
                 return None
             entry = state.get(p)
-            if keys and (entry is None or not _mirror(slot, entry, keys, local_state)):
+            if keys and (entry is None or not mirror(slot, entry, keys, local_state)):
                 return None
             try:
                 slot.local.grad = grad.to_local()
@@ -367,7 +367,7 @@ def _build(params: list[torch.Tensor], keys: frozenset[str], state: dict[Any, di
             with_grad.append(slot.local)
         local_params.append(slot.local)
         slots.append(slot)
-    return _LocalGroup(params, tuple(params), keys, local_params, slots, mirrored=mirrored)
+    return LocalGroup(params, tuple(params), keys, local_params, slots, mirrored=mirrored)
 
 
 def _view(p: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -375,5 +375,5 @@ def _view(p: torch.Tensor) -> tuple[torch.Tensor, int]:
     (``to_empty``, ``.to()``) swaps ``__dict__`` along with the contents, so the token leaves with them."""
     view = p.to_local()  # type: ignore[attr-defined]  # a fresh view (not the DTensor's own) for a Parameter
     token = next(_tokens)
-    setattr(p, _TOKEN_ATTR, token)
+    setattr(p, TOKEN_ATTR, token)
     return view, token
