@@ -35,7 +35,7 @@ from fully_shard import MixedPrecisionPolicy, ShardingStrategy, checkpoint
 from fully_shard.comm import trace
 from fully_shard.comm.trace import EventKind
 from fully_shard.optim.clip import clip_grad_norm_
-from fully_shard.wrap.plan import ModuleClassPolicy, PredicatePolicy, WrapPlan, auto_wrap
+from fully_shard.wrap import ModuleClassPolicy, PredicatePolicy, WrapPlan, auto_wrap
 
 VOCAB, DIM, HEADS, BLOCKS, SEQ = 512, 64, 4, 4, 32
 

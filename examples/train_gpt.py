@@ -45,7 +45,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fully_shard import MixedPrecisionPolicy, Profiler, profile
-from fully_shard.wrap.plan import GranularityPolicy, WrapPlan, auto_wrap
+from fully_shard.wrap import GranularityPolicy, WrapPlan, auto_wrap
 
 
 # --- the model -------------------------------------------------------------------------------------

@@ -1,8 +1,16 @@
-"""fully_shard: FSDP2 (ZeRO-3) on DTensor. Public API only; see README.md and design/."""
+"""fully_shard: FSDP2 (ZeRO-3) on DTensor. Public API only; see README.md and design/overview.md.
+
+The core (``fully_shard``, ``FSDPModule``, policies, clipping) is imported here; the applications on it
+(``checkpoint``, the profiler, the wrap planner) are imported on first use of their names, so
+``import fully_shard`` loads neither safetensors nor the tools.
+"""
 
 from __future__ import annotations
 
-from . import checkpoint
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from . import optim  # noqa: F401  (registers the local-shard optimizer step with the core (optim/__init__.py))
 from .comm.trace import EventKind, Phase
 from .core.api import fully_shard
 from .core.init import default_init, materialize_meta_module
@@ -17,18 +25,45 @@ from .core.policy import (
 )
 from .optim.clip import clip_grad_norm_, total_grad_norm
 from .parallel.mesh import DataParallelMeshDims
-from .tools.profile import Profiler, profile
-from .wrap.plan import (
-    GranularityPolicy,
-    ModuleClassPolicy,
-    ParamCountPolicy,
-    PredicatePolicy,
-    UnitReport,
-    WrapPlan,
-    auto_wrap,
-    plan_wrap,
-    strategy_kwargs,
-)
+
+if TYPE_CHECKING:
+    from . import checkpoint
+    from .tools.profile import Profiler, profile
+    from .wrap import (
+        GranularityPolicy,
+        ModuleClassPolicy,
+        ParamCountPolicy,
+        PredicatePolicy,
+        UnitReport,
+        WrapPlan,
+        auto_wrap,
+        plan_wrap,
+        strategy_kwargs,
+    )
+
+# name -> the module that defines it, imported on first access (PEP 562)
+_LAZY = {
+    "checkpoint": "fully_shard.checkpoint",
+    "Profiler": "fully_shard.tools.profile", "profile": "fully_shard.tools.profile",
+    **{name: "fully_shard.wrap" for name in (
+        "GranularityPolicy", "ModuleClassPolicy", "ParamCountPolicy", "PredicatePolicy", "UnitReport", "WrapPlan",
+        "auto_wrap", "plan_wrap", "strategy_kwargs")},
+}
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'fully_shard' has no attribute {name!r}")
+    module = importlib.import_module(target)
+    value = module if name == "checkpoint" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "AllGatherPolicy",

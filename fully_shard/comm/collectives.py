@@ -89,6 +89,12 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGrou
         return None
     if comm is not None:
         return comm(output_tensor=out, input_tensor=inp, group=group, op=op, async_op=async_op)
+    return reduce_scatter_into(out, inp, group, op, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp, *,
+                        async_op: bool = False) -> dist.Work | None:
+    """``out`` = this rank's segment of every rank's ``inp`` reduced (torch's tensor reduce-scatter)."""
     return _reduce_scatter_fn()(out, inp, op=op, group=group, async_op=async_op)
 
 

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import collectives
+
 _WARNED: set[tuple[str, str, str]] = set()
 
 
@@ -65,13 +67,13 @@ class _PGAlloc:
 class PGAllocAllGather(_PGAlloc):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return collectives.all_gather_into(output_tensor, input_tensor, group, async_op=async_op)
 
 
 class PGAllocReduceScatter(_PGAlloc):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: dist.ReduceOp, async_op: bool = False) -> dist.Work | None:
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        return collectives.reduce_scatter_into(output_tensor, input_tensor, group, op, async_op=async_op)
 
 
 def is_builtin(comm: Any) -> bool:

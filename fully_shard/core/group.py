@@ -24,7 +24,8 @@ import torch
 from ..comm import collectives, trace
 from ..comm.streams import CommContext, Pending
 from ..parallel.mesh import MeshInfo, SubgroupInfo
-from . import buffers, extension
+from . import buffers
+from .gather_plan import GatherPlan
 from .layout import FlatLayout
 from .param import ShardedParam
 from .policy import AllGatherPolicy, MixedPrecisionPolicy, QuantizedAllGather
@@ -78,7 +79,7 @@ class ParamGroup:
         self.state = GroupState.SHARDED
         self.comm: CommContext | None = None  # the root's, set at lazy init
         self._pending_unshard: tuple[torch.Tensor, Pending, trace.TraceEvent | None] | None = None
-        self.gather_plan: extension.GatherPlan | None = None  # tensor-subclass params (extension.py)
+        self.gather_plan: GatherPlan | None = None  # tensor-subclass params (extension.py)
         self._partial_shard: torch.Tensor | None = None
         self.reducer = Reducer(fqn, mesh_info, device)  # the reduce side: its settings, flags, reduces in flight
         self._grad_flat: tuple[tuple[bool, ...], list[ShardedParam], FlatLayout] | None = None
@@ -211,7 +212,7 @@ class ParamGroup:
             p.adopt_module_param()
             p.init_unsharded(self.param_dtype, self.device)
         self._check_dtypes()
-        self.gather_plan = extension.GatherPlan.of(self, collectives.all_gather_object)
+        self.gather_plan = GatherPlan.of(self, collectives.all_gather_object)
 
     def adopt_module_params(self) -> None:
         """After ``module.to(dtype)``/``_apply`` replaced or converted the sharded parameters: re-read

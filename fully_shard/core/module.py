@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..comm import protocol as comms
-from . import roots as iteration
+from ..comm import protocol
+from . import roots
 from .group import GroupState, ParamGroup
 from .policy import check_reshard_after_forward
 from .state import FSDPState, get_state, states_under
@@ -127,7 +127,7 @@ class FSDPModule:
     def reset_iter_state(self) -> None:
         """After an exception aborted a forward or backward, on the root: every unit resharded, the
         failed step's in-flight reductions dropped, the next step correct (design/hooks.md)."""
-        iteration.reset_iter_state(self._fsdp)
+        roots.reset_iter_state(self._fsdp)
 
     # --- gradient reduction (reduce.py) ---------------------------------------------------------
     def set_gradient_divide_factor(self, factor: float) -> None:
@@ -200,7 +200,7 @@ class FSDPModule:
                 created[ranks] = settings.group or dist.new_group(list(ranks), use_local_synchronization=True)
             settings.group = created[ranks]
 
-    # --- collectives and buffers (comms.py) -----------------------------------------------------
+    # --- collectives and buffers (protocol.py) -----------------------------------------------------
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: no backward all-gather for this unit, whose parameters backward does not read (an
         embedding); their gradients are still reduced."""
@@ -210,14 +210,14 @@ class FSDPModule:
     def set_custom_all_gather(self, comm: Any) -> None:
         """Replace the all-gather and its buffer: ``comm.allocate((n,), dtype=, device=)`` gives the
         gathered buffer, ``comm(output_tensor=, input_tensor=, group=, async_op=)`` fills it."""
-        comms.check_comm(comm, "set_custom_all_gather", "output_tensor, input_tensor, group, async_op")
+        protocol.check_comm(comm, "set_custom_all_gather", "output_tensor, input_tensor, group, async_op")
         for group in self._groups():
             group.all_gather_comm = comm
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Replace the reduce-scatter and its buffers: ``comm.allocate`` gives the input and the output,
         ``comm(output_tensor=, input_tensor=, group=, op=, async_op=)`` reduces."""
-        comms.check_comm(comm, "set_custom_reduce_scatter", "output_tensor, input_tensor, group, op, async_op")
+        protocol.check_comm(comm, "set_custom_reduce_scatter", "output_tensor, input_tensor, group, op, async_op")
         for group in self._groups():
             group.reducer.settings.comm = comm
 
@@ -225,25 +225,25 @@ class FSDPModule:
         """Take the communication buffers from the process group's allocator (NCCL zero-copy). A
         backend without one (gloo) warns once and keeps ``torch.empty``."""
         for group in self._groups():
-            if not (comms.is_builtin(group.all_gather_comm) and comms.is_builtin(group.reducer.settings.comm)):
+            if not (protocol.is_builtin(group.all_gather_comm) and protocol.is_builtin(group.reducer.settings.comm)):
                 raise ValueError("set_allocate_memory_from_process_group_for_comm cannot be combined with "
                                  "set_custom_all_gather/set_custom_reduce_scatter (they allocate their own "
                                  "buffers). Fix: allocate from the process group inside your comm object.")
             shard = group.mesh_info.shard_group
             rs_group = group.reducer.settings.group or shard
-            if enable and not comms.supports_tensor_alloc(shard, group.device):
-                comms.warn_once("set_allocate_memory_from_process_group_for_comm", group.device,
-                                comms.backend_name(shard), "the backend has no tensor allocator; buffers come "
+            if enable and not protocol.supports_tensor_alloc(shard, group.device):
+                protocol.warn_once("set_allocate_memory_from_process_group_for_comm", group.device,
+                                protocol.backend_name(shard), "the backend has no tensor allocator; buffers come "
                                 "from torch.empty")
                 enable = False
-            group.all_gather_comm = comms.PGAllocAllGather(shard) if enable else None
-            group.reducer.settings.comm = comms.PGAllocReduceScatter(rs_group) if enable else None
+            group.all_gather_comm = protocol.PGAllocAllGather(shard) if enable else None
+            group.reducer.settings.comm = protocol.PGAllocReduceScatter(rs_group) if enable else None
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Symmetric-memory all-gather buffers: not implemented (needs CUDA + NCCL symmetric memory);
         raises ``NotImplementedError`` naming this unit's device and backend."""
         for group in self._groups():
-            found = comms.backend_name(group.mesh_info.shard_group)
+            found = protocol.backend_name(group.mesh_info.shard_group)
             raise NotImplementedError(
                 f"set_symm_mem_for_comm(backend={backend!r}): symmetric-memory buffers are not implemented in "
                 f"fully_shard (this unit runs on device {group.device.type!r} with the {found!r} backend; torch's "
@@ -252,7 +252,7 @@ class FSDPModule:
 
     def set_post_optim_event(self, event: Any) -> None:
         """The root's next all-gather copy-in waits on ``event`` (recorded after the optimizer step)
-        instead of the compute stream, once; pass a new event each iteration. On CPU (no streams) the
+        instead of the compute stream, once; pass a new event each roots. On CPU (no streams) the
         host waits on it: a ``torch.Event`` or any object with ``synchronize()`` or ``wait()``."""
         if not (callable(getattr(event, "synchronize", None)) or callable(getattr(event, "wait", None))):
             raise TypeError(f"set_post_optim_event expects a torch.Event (or an object with synchronize() or "
@@ -286,8 +286,8 @@ def _state_of(module: Any, method: str) -> FSDPState:
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
     """Several roots (pipeline chunks) share one communication context (streams, buffers); see
-    ``iteration.share_comm_ctx``."""
-    iteration.share_comm_ctx([_state_of(m, "share_comm_ctx") for m in modules])
+    ``roots.share_comm_ctx``."""
+    roots.share_comm_ctx([_state_of(m, "share_comm_ctx") for m in modules])
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -303,8 +303,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(orig)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state._pre_forward_hook(module, args, kwargs)
+        args, kwargs = state.pre_forward_hook(module, args, kwargs)
         output = orig(module, *args, **kwargs)
-        return state._post_forward_hook(module, args, kwargs, output)
+        return state.post_forward_hook(module, args, kwargs, output)
 
     setattr(module, method_name, wrapped)

@@ -260,8 +260,8 @@ class ReduceQueue:
 
     On CPU the first third of a backward's reduces (the last units', at least one) are finished at
     once even so (``at_once``): they would overlap the next units' backward, where most activations
-    are still held and the step's memory peaks; further on, the units behind have freed theirs. Figures in
-    benchmarks/README.md; design/data-path.md."""
+    are still held and the step's memory peaks; further on, the units behind have freed theirs
+    (design/data-path.md)."""
 
     def __init__(self, *, accelerated: bool) -> None:
         self.max_in_flight = 2 if accelerated else 1

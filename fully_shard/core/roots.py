@@ -1,4 +1,4 @@
-"""Per-iteration runtime state across units and roots: ``reset_iter_state`` and ``share_comm_ctx``.
+"""What spans a root's units and several roots: ``reset_iter_state`` after a failed step, ``share_comm_ctx``.
 
 See design/hooks.md ("Recovering from an exception") and design/streams.md ("Several roots").
 """

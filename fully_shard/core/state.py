@@ -24,12 +24,13 @@ from .param import ShardedParam
 from .policy import MixedPrecisionPolicy
 from .tree import join_fqn, map_tensors, tensors
 
-# Every entry point of the runtime that torch calls (module hooks, tensor hooks, autograd Function
+# The runtime's entry points, public because other files call them too (module.py, compat): every
+# method torch calls (module hooks, tensor hooks, autograd Function
 # backward, the engine's final callback; register_fsdp_forward_method calls the forward hooks):
 # replaced per state by its torch.compiler.disable'd form, so that Dynamo never traces them and a
 # compiled block's forward stays one graph (dynamo.py, design/hooks.md "torch.compile").
-_EAGER_METHODS = ("_pre_forward_hook", "_post_forward_hook", "_pre_backward", "post_backward",
-                  "_root_final_callback")
+_EAGER_METHODS = ("pre_forward_hook", "post_forward_hook", "pre_backward", "post_backward",
+                  "root_final_callback")
 
 
 class TrainingState(enum.Enum):
@@ -72,15 +73,15 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None  # explicit; None means implicit
         self.backward_prefetch: list[FSDPState] | None = None
         self.is_last_backward = True
-        self.shared_comm: CommContext | None = None  # share_comm_ctx before lazy init (iteration.py)
+        self.shared_comm: CommContext | None = None  # share_comm_ctx before lazy init (roots.py)
         self._modules_to_run: set[nn.Module] = set()  # list unit: members still to run this pass
         self._awaits_post_backward = False  # this pass wrapped grad-requiring inputs in _PostBackward
         self._member_params = _member_params(modules, group)  # list unit: params under each member
         for name in _EAGER_METHODS:
             setattr(self, name, eager(getattr(self, name)))
         for module in modules:
-            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward_hook, prepend=False, with_kwargs=True)
+            module.register_forward_pre_hook(self.pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self.post_forward_hook, prepend=False, with_kwargs=True)
             module.register_state_dict_pre_hook(self._reshard_for_state_dict)
             module.register_load_state_dict_pre_hook(self._reshard_for_state_dict)
 
@@ -132,7 +133,7 @@ class FSDPState:
         return value
 
     # --- forward -----------------------------------------------------------------------------------
-    def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.root is None:
             self.lazy_init()
         if self.training_state is TrainingState.PRE_BACKWARD:  # activation-checkpoint recompute
@@ -169,7 +170,7 @@ class FSDPState:
         self.training_state = TrainingState.FORWARD
         return args, kwargs
 
-    def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    def post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return self._cast_output(output)
         self._modules_to_run.discard(module)
@@ -267,10 +268,10 @@ class FSDPState:
     def _register_pre_backward(self, output: Any) -> Any:
         for t in tensors(output):
             if t.requires_grad:
-                t.register_hook(self._pre_backward)
+                t.register_hook(self.pre_backward)
         return output
 
-    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+    def pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return grad
         # A list unit whose pass is still open (a member run on its own, e.g. once per loss chunk,
@@ -292,7 +293,7 @@ class FSDPState:
         root = self._root
         if not root.callback_queued:
             root.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._root_final_callback)
+            torch.autograd.Variable._execution_engine.queue_callback(self.root_final_callback)
 
     def post_backward(self) -> None:
         """All gradients of this unit's parameters for one forward call are ready."""
@@ -313,7 +314,7 @@ class FSDPState:
         if group.reduce_grads(reshard_first=group.reshard_after_backward):
             reduces.push(group.reducer)
 
-    def _root_final_callback(self) -> None:
+    def root_final_callback(self) -> None:
         """End of backward: reduce what no post-backward hook caught, reshard, finish reduces."""
         root = self._root
         for state in root.states:

@@ -282,7 +282,7 @@ class StateView:
         if root is None:
             return
         owner = next((s for s in root.states if s.is_root), self._state)
-        owner._root_final_callback()
+        owner.root_final_callback()
 
 
 class _StateContextView:

@@ -22,7 +22,7 @@ events: on the collective's stream around it, and on the compute stream where it
 = how long the compute stream had to wait); ``step()`` synchronizes the device. Memory: each step is
 its own peak window (the CUDA peak stats or the kernel's VmHWM are reset when a step begins), so
 ``max(s.peak_memory for s in prof.steps)`` is the peak of the run. With no profiler active the
-library pays one list truthiness check per event (~60 ns; a few dozen per step).
+library pays one list truthiness check per event (a few dozen per step).
 """
 
 from __future__ import annotations

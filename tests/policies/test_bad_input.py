@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fully_shard import MixedPrecisionPolicy, ShardingStrategy, fully_shard
 from fully_shard.optim.clip import clip_grad_norm_
-from fully_shard.wrap.plan import strategy_kwargs
+from fully_shard.wrap import strategy_kwargs
 from tests.distributed.harness import distributed
 from tests.models import TinyGPT
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor import Replicate, Shard
 from fully_shard import MixedPrecisionPolicy, ShardingStrategy
 from fully_shard.comm import trace
 from fully_shard.comm.trace import EventKind, Phase
-from fully_shard.wrap.plan import (
+from fully_shard.wrap import (
     ROOT,
     GranularityPolicy,
     ModuleClassPolicy,

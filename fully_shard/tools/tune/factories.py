@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ...wrap.plan import GranularityPolicy, auto_wrap
+from ...wrap import GranularityPolicy, auto_wrap
 
 
 def load_object(spec: str, what: str) -> Any:
