@@ -6,5 +6,5 @@ from .plan import ROOT, UnitReport, WrapPlan, auto_wrap, plan_wrap
 from .policies import GranularityPolicy, ModuleClassPolicy, ParamCountPolicy, PredicatePolicy, WrapPolicy
 from .strategy import strategy_kwargs
 
-__all__ = ["ROOT", "GranularityPolicy", "ModuleClassPolicy", "ParamCountPolicy", "PredicatePolicy", "UnitReport", "WrapPlan",
-           "WrapPolicy", "auto_wrap", "plan_wrap", "strategy_kwargs"]
+__all__ = ["ROOT", "GranularityPolicy", "ModuleClassPolicy", "ParamCountPolicy", "PredicatePolicy", "UnitReport",
+           "WrapPlan", "WrapPolicy", "auto_wrap", "plan_wrap", "strategy_kwargs"]
