@@ -68,17 +68,35 @@ class Pending:
         return True
 
 
+_stand_in: Any = None  # a device module standing in for torch.cuda (tests; see ``stand_in``)
+
+
+@contextlib.contextmanager
+def stand_in(device_module: Any) -> Iterator[None]:
+    """Contexts created inside the block take the accelerator branch on ``device_module`` (an object
+    with torch.cuda's ``Stream``, ``Event``, ``current_stream`` and ``stream``) whatever their device:
+    the CUDA branch's stream and buffer ordering runs on CPU tensors and gloo, through a stand-in that
+    simulates the streams and checks the caching allocator's rule (tests/distributed/stream_standin.py,
+    design/streams.md)."""
+    global _stand_in
+    previous, _stand_in = _stand_in, device_module
+    try:
+        yield
+    finally:
+        _stand_in = previous
+
+
 class CommContext:
     """Streams and cross-stream buffer bookkeeping shared by all groups under one root."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.accelerated = device.type != "cpu"
+        self.accelerated = device.type != "cpu" or _stand_in is not None
         self.all_gather_state: tuple[torch.Tensor, Any] | None = None
         self.reduce_scatter_state: tuple[torch.Tensor, Any] | None = None
         self.post_optim_event: Any = None  # set_post_optim_event: waited once by the next copy-in
         if self.accelerated:
-            mod = torch.get_device_module(device)
+            mod = _stand_in if _stand_in is not None else torch.get_device_module(device)
             # Higher priority for the all-gather streams so the next unit's params arrive first.
             self.all_gather_copy_in_stream = mod.Stream(device=device, priority=-1)
             self.all_gather_stream = mod.Stream(device=device, priority=-1)

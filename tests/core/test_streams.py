@@ -1,0 +1,195 @@
+"""The CUDA branch's stream and buffer ordering, run on CPU through the stream stand-in (no GPU needed).
+
+Each case trains a few steps of the CUDA branch (``CommContext`` on simulated streams, the collectives
+on gloo) and asserts the stand-in saw no race and no buffer handed to a stream while another may
+still use it (tests/distributed/stream_standin.py, design/streams.md "The stream stand-in"), and the
+same losses as the CPU branch.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from fully_shard.comm import streams
+from fully_shard.core.state import get_state
+from tests.distributed.harness import distributed
+from tests.distributed.stream_standin import StreamStandIn
+from tests.models import TinyGPT, batches, loss_fn
+from tests.policies.common import local_slice
+
+
+def _shard(model: TinyGPT, **kwargs: Any) -> TinyGPT:
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _train(model: nn.Module, steps: int, *, hook: Callable[[nn.Module, int, int], None] | None = None,
+           micro: int = 1) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step, (x, y) in enumerate(batches(steps * micro, batch=8)):
+        i = step % micro
+        if hook is not None:
+            hook(model, step // micro, i)
+        loss = loss_fn(model(local_slice(x)), local_slice(y))
+        loss.backward()
+        losses.append(loss.item())
+        if i == micro - 1:
+            opt.step()
+            opt.zero_grad()
+    return losses
+
+
+def _run(shard: Callable[[TinyGPT], nn.Module], *, steps: int = 2, micro: int = 1,
+         hook: Callable[[nn.Module, int, int], None] | None = None) -> dict[str, Any]:
+    """Train the stand-in's CUDA branch and the CPU branch from the same weights."""
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    cpu_losses = _train(shard(copy.deepcopy(ref)), steps, hook=hook, micro=micro)
+    with StreamStandIn() as device, streams.stand_in(device):
+        model = shard(copy.deepcopy(ref))
+        losses = _train(model, steps, hook=hook, micro=micro)
+        gc.collect()
+    return {"violations": device.violations, "losses": losses, "cpu_losses": cpu_losses,
+            "waits": [w for w in device.log if w[0] == "wait_event"]}
+
+
+def _assert_clean(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert r["violations"] == [], "\n".join(r["violations"][:10])
+        assert max(abs(a - b) for a, b in zip(r["losses"], r["cpu_losses"])) < 1e-5, r
+
+
+@distributed(world_size=2)
+def _fsdp() -> dict[str, Any]:
+    return _run(lambda m: _shard(m))
+
+
+def test_fsdp() -> None:
+    _assert_clean(_fsdp())
+
+
+@distributed(world_size=2)
+def _fsdp_bf16_no_reshard() -> dict[str, Any]:
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    r = _run(lambda m: _shard(m, mp_policy=mp, reshard_after_forward=False))
+    r["cpu_losses"] = r["losses"]  # bf16 compute: the check here is the stand-in's
+    return r
+
+
+def test_fsdp_bf16_without_reshard_after_forward() -> None:
+    _assert_clean(_fsdp_bf16_no_reshard())
+
+
+@distributed(world_size=4)
+def _hsdp(all_reduce_every: int) -> dict[str, Any]:
+    def shard(m: TinyGPT) -> TinyGPT:
+        return _shard(m, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+
+    def accumulate(model: nn.Module, step: int, i: int) -> None:
+        model.set_requires_all_reduce(i == all_reduce_every - 1)  # type: ignore[operator]
+
+    return _run(shard, micro=all_reduce_every, hook=accumulate)
+
+
+def test_hsdp() -> None:
+    _assert_clean(_hsdp(1))
+
+
+def test_hsdp_without_all_reduce_accumulates_on_the_reduce_scatter_stream() -> None:
+    _assert_clean(_hsdp(2))
+
+
+@distributed(world_size=4)
+def _partial_reshard() -> dict[str, Any]:
+    return _run(lambda m: _shard(m, reshard_after_forward=2))
+
+
+def test_partial_reshard_keeps_the_block_until_the_all_gather_is_waited() -> None:
+    _assert_clean(_partial_reshard())
+
+
+@distributed(world_size=2)
+def _offload() -> dict[str, Any]:
+    return _run(lambda m: _shard(m, offload_policy=CPUOffloadPolicy(pin_memory=False)))
+
+
+def test_cpu_offload() -> None:
+    _assert_clean(_offload())
+
+
+@distributed(world_size=2)
+def _explicit_prefetch() -> dict[str, Any]:
+    def shard(m: TinyGPT) -> TinyGPT:
+        _shard(m)
+        blocks = list(m.blocks)
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])  # type: ignore[operator]
+            block.set_modules_to_backward_prefetch(blocks[max(i - 1, 0):i] if i else [])  # type: ignore[operator]
+        return m
+
+    return _run(shard)
+
+
+def test_explicit_prefetch() -> None:
+    _assert_clean(_explicit_prefetch())
+
+
+@distributed(world_size=2)
+def _max_input_buffers(k: int) -> dict[str, Any]:
+    def shard(m: TinyGPT) -> TinyGPT:
+        _shard(m)
+        m.set_reduce_scatter_max_input_buffers(k)  # type: ignore[operator]
+        return m
+
+    return _run(shard, steps=1)
+
+
+def test_reduce_scatter_max_input_buffers_two() -> None:
+    one, two = _max_input_buffers(1), _max_input_buffers(2)
+    _assert_clean(one + two)
+    # k inputs in flight: the compute stream waits on a reduce-scatter only when a (k+1)-th needs room
+    for r1, r2 in zip(one, two):
+        waits = lambda r: sum(1 for _, waiter, on in r["waits"] if waiter == "compute" and on == "reduce_scatter")  # noqa: E731
+        assert waits(r2) < waits(r1), (r1["waits"], r2["waits"])
+
+
+@distributed(world_size=2)
+def _buffers_released() -> dict[str, Any]:
+    torch.manual_seed(0)
+    with StreamStandIn() as device, streams.stand_in(device):
+        model = _shard(TinyGPT())
+        x, y = batches(1, batch=8)[0]
+        out = model(local_slice(x))
+        comm = get_state(model).root.comm  # type: ignore[union-attr]
+        gathered = comm.all_gather_state
+        gathered_ref = weakref.ref(gathered[0]) if gathered is not None else None
+        del gathered
+        gc.collect()
+        after_forward = gathered_ref is not None and gathered_ref() is not None
+        loss_fn(out, local_slice(y)).backward()
+        held = comm.reduce_scatter_state
+        reduce_ref = weakref.ref(held[0]) if held is not None else None
+        del held
+        gc.collect()
+        after_backward = reduce_ref is not None and reduce_ref() is not None
+    return {"gather_alive_after_forward": after_forward, "reduce_input_alive_after_backward": after_backward,
+            "violations": device.violations}
+
+
+def test_last_buffers_freed_at_the_end_of_forward_and_backward() -> None:
+    for r in _buffers_released():
+        assert r["violations"] == [], r["violations"]
+        assert not r["gather_alive_after_forward"], r
+        assert not r["reduce_input_alive_after_backward"], r
