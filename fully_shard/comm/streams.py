@@ -6,12 +6,14 @@ cross-stream memory bookkeeping that replace ``record_stream``:
 * ``all_gather_state``: the previous all-gather buffer and the event recorded after its copy-out.
   The next unshard makes the copy-in stream wait on that event before dropping the buffer, which
   bounds the buffers in flight to two and keeps the caching allocator from reusing one too early.
-* ``reduce_scatter_state``: the previous reduce-scatter input (allocated on the compute stream) and
-  the event recorded after its collective; the compute stream waits on it before dropping it.
+* ``reduce_scatter_states``: the reduce-scatter inputs in flight (allocated on the compute stream),
+  each with the event recorded after its collective; the compute stream waits on it before dropping
+  it, when more than ``set_reduce_scatter_max_input_buffers`` would be held, and at the end of backward.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from collections.abc import Callable, Iterator
@@ -93,7 +95,9 @@ class CommContext:
         self.device = device
         self.accelerated = device.type != "cpu" or _stand_in is not None
         self.all_gather_state: tuple[torch.Tensor, Any] | None = None
-        self.reduce_scatter_state: tuple[torch.Tensor, Any] | None = None
+        # the reduce-scatter inputs in flight, oldest first: (buffer, event after its collective)
+        self.reduce_scatter_states: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
+        self.copy_in_ordered = False  # the copy-in stream waited on compute this iteration (order_copy_in)
         self.post_optim_event: Any = None  # set_post_optim_event: waited once by the next copy-in
         if self.accelerated:
             mod = _stand_in if _stand_in is not None else torch.get_device_module(device)
@@ -136,10 +140,14 @@ class CommContext:
             self.stream(stream_name).wait_event(pending.event)
 
     def order_copy_in(self, copy_in_stream: Any) -> None:
-        """Order an all-gather copy-in after the optimizer step that updated the shards: after the
-        compute stream, or, once, after ``set_post_optim_event``'s event only (no false dependency on
-        unrelated work queued after the step). On CPU the host already runs the step first; the event
-        (``torch.Event`` or any object with ``synchronize()`` or ``wait()``) is waited on the host."""
+        """Order all-gather copy-ins after the optimizer step that updated the shards, once per
+        iteration (torch waits once, too: later copy-ins, backward prefetches included, would only
+        queue behind unrelated compute): after the compute stream, or after ``set_post_optim_event``'s
+        event only. On CPU the host already runs the step first; the event (``torch.Event`` or any
+        object with ``synchronize()`` or ``wait()``) is waited on the host. ``new_iteration`` re-arms it."""
+        if self.copy_in_ordered:
+            return
+        self.copy_in_ordered = True
         event, self.post_optim_event = self.post_optim_event, None
         if event is None:
             self.wait_stream(copy_in_stream, self.current_stream())
@@ -147,6 +155,10 @@ class CommContext:
             copy_in_stream.wait_event(event)
         else:
             (getattr(event, "synchronize", None) or event.wait)()
+
+    def new_iteration(self) -> None:
+        """End of a backward (or a forward without one): the next copy-in orders after compute again."""
+        self.copy_in_ordered = False
 
     def stream(self, name: str) -> Any:
         """``all_gather_copy_in`` | ``all_gather`` | ``reduce_scatter`` | ``all_reduce`` (None on CPU)."""
@@ -167,21 +179,24 @@ class CommContext:
             return
         self.all_gather_state = (buffer, self.record_event(self.current_stream()))
 
-    def release_reduce_scatter_input(self) -> None:
-        if self.reduce_scatter_state is not None:
-            _, event = self.reduce_scatter_state
+    def release_reduce_scatter_inputs(self, *, keep: int = 0) -> None:
+        """Let go of the oldest held reduce-scatter inputs until ``keep`` remain, each once the compute
+        stream (which allocated it) has waited on the event after its collective: the caching
+        allocator may hand a freed block to the next compute allocation at once."""
+        while len(self.reduce_scatter_states) > keep:
+            _, event = self.reduce_scatter_states.popleft()
             if event is not None:
                 self.current_stream().wait_event(event)
-            self.reduce_scatter_state = None
 
     def hold_reduce_scatter_input(self, buffer: torch.Tensor, event: Any) -> None:
-        self.reduce_scatter_state = (buffer, event)
+        self.reduce_scatter_states.append((buffer, event))
 
     def discard_in_flight(self) -> None:
         """``reset_iter_state``: drop the held buffers once the streams that read them are done."""
         self.release_all_gather_buffer()
-        self.release_reduce_scatter_input()
+        self.release_reduce_scatter_inputs()
         self.post_optim_event = None
+        self.copy_in_ordered = False
 
     def issue(self, stream_name: str, fn: Callable[[bool], dist.Work | None]) -> Pending:
         """Issue ``fn(async_op)`` on the named stream; return what to wait on before using its output.

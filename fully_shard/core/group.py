@@ -78,9 +78,11 @@ class ParamGroup:
                        if isinstance(all_gather_policy, QuantizedAllGather) else None)
         self.state = GroupState.SHARDED
         self.comm: CommContext | None = None  # the root's, set at lazy init
-        self._pending_unshard: tuple[torch.Tensor, Pending, trace.TraceEvent | None] | None = None
+        # the gathered buffer, its collective, its trace event, and the k-partial block its copy-in read
+        self._pending_unshard: tuple[torch.Tensor, Pending, trace.TraceEvent | None, torch.Tensor | None] | None = None
         self.gather_plan: GatherPlan | None = None  # tensor-subclass params (extension.py)
         self._partial_shard: torch.Tensor | None = None
+        self._partial_shard_event: Any = None  # recorded on compute after writing it (accelerators)
         self.reducer = Reducer(fqn, mesh_info, device)  # the reduce side: its settings, flags, reduces in flight
         self._grad_flat: tuple[tuple[bool, ...], list[ShardedParam], FlatLayout] | None = None
         # List units: the parameters of members that ran forward since the last synced backward;
@@ -233,12 +235,15 @@ class ParamGroup:
         partial = self.state is GroupState.PARTIALLY_SHARDED
         self._transition({GroupState.SHARDED, GroupState.PARTIALLY_SHARDED}, GroupState.UNSHARDING, "unshard")
         over = self._gather_over(partial)
+        # reshard_after_forward=k: the kept block is read by the copy-in stream; it stays alive until the
+        # all-gather is waited (compute then follows the copy-in), as the caching allocator needs
+        kept = self._partial_shard if partial else None
         with torch.no_grad():
             out = self._copy_in(partial)
             pending = self._issue_all_gather(out, over)
         event = self._emit(trace.EventKind.ALL_GATHER, phase, nbytes=out.nbytes,
                            group_size=over.world, prefetch=prefetch, timing=pending.timing)
-        self._pending_unshard = (out, pending, event)
+        self._pending_unshard = (out, pending, event, kept)
 
     def _gather_over(self, partial: bool) -> SubgroupInfo:
         """The ranks the all-gather runs over: the k-subgroup after a partial reshard, else the shard
@@ -266,6 +271,9 @@ class ParamGroup:
                 return buffers.all_gather_copy_in(self.params, self.flat, self.mesh_info.shard_rank,
                                                       self.param_dtype, self.device, alloc=alloc)
             assert self.subgroup is not None and self._partial_shard is not None
+            if self._partial_shard_event is not None:  # written on compute at reshard: read after it
+                copy_in_stream.wait_event(self._partial_shard_event)
+                self._partial_shard_event = None
             block, self._partial_shard = self._partial_shard, None
             return buffers.partial_all_gather_copy_in(block, self.flat, self.subgroup, self.param_dtype,
                                                           self.device, alloc=alloc)
@@ -290,10 +298,11 @@ class ParamGroup:
         if self.state is not GroupState.UNSHARDING:
             self.unshard(phase)
         assert self._pending_unshard is not None
-        out, pending, event = self._pending_unshard
+        out, pending, event, kept = self._pending_unshard
         self._pending_unshard = None
         t0 = time.perf_counter()
         pending.wait(self._comm)
+        del kept  # the compute stream now follows the copy-in that read it: free to reuse
         exposed = time.perf_counter() - t0
         if event is not None:
             event.t_end = time.perf_counter()
@@ -329,6 +338,8 @@ class ParamGroup:
             assert self.subgroup is not None
             with torch.no_grad():
                 self._partial_shard = buffers.partial_shard_copy_in(self.params, self.flat, self.subgroup)
+            ctx = self._comm
+            self._partial_shard_event = ctx.record_event(ctx.current_stream())
         for p in self.params:
             p.free_unsharded()
             p.register_sharded()

@@ -122,7 +122,7 @@ class Reducer:
         ops = reduce_ops(settings, self.mesh_info.shard_world * self.mesh_info.replicate_world, reduce_dtype)
         alloc = settings.comm.allocate if settings.comm is not None else None
         with torch.no_grad():
-            ctx.release_reduce_scatter_input()
+            ctx.release_reduce_scatter_inputs(keep=(settings.max_input_buffers or 1) - 1)
             inp = buffers.reduce_scatter_copy_in(grads, params, flat, reduce_dtype, self.device, alloc=alloc)
             del grads
             if ops.pre_divide is not None:
@@ -219,16 +219,17 @@ class Reducer:
         """HSDP: issue the reduction of the reduce-scattered shard across replicas as soon as the
         reduce-scatter is done, on its own stream, so it overlaps the next unit's backward (or keep
         accumulating under ``set_requires_all_reduce(False)``). Returns the output and its all-reduce."""
-        ctx.order_after("all_reduce", reduce_scatter)
-        with ctx.on(ctx.stream("all_reduce")):
-            if self.partial_output is not None:
-                output = output + self.partial_output
-                self.partial_output = None
+        ctx.order_after("all_reduce", reduce_scatter)  # (CPU: the host waits, so the add below sees it)
+        if self.partial_output is not None:  # in place, on the stream that wrote both (as torch)
+            with ctx.on(ctx.stream("reduce_scatter")):
+                self.partial_output.add_(output)
+            output, self.partial_output = self.partial_output, None
         if not self.requires_all_reduce:
             self.partial_output = output
             return None, None
         group = self.mesh_info.replicate_group
         assert group is not None
+        ctx.wait_stream(ctx.stream("all_reduce"), ctx.stream("reduce_scatter"))  # ... and after the add
         pending = ctx.issue("all_reduce", lambda a: collectives.all_reduce(output, group, ops.all_reduce,
                                                                            async_op=a))
         trace.emit_if_observed(trace.EventKind.ALL_REDUCE, self.fqn, trace.Phase.BACKWARD, nbytes=output.nbytes,

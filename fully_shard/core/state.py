@@ -180,6 +180,8 @@ class FSDPState:
             self._finish_pass()
             if self.is_root:
                 self._finish_partial_passes()
+                # the last unit's gathered buffer: not held through the head and the loss (as torch)
+                self._root.comm.release_all_gather_buffer()
         return self._cast_output(output)
 
     def _finish_pass(self) -> None:
@@ -219,6 +221,7 @@ class FSDPState:
         if root.forward_order:
             root.order_frozen = True
         root.reduces.drain()
+        root.comm.new_iteration()  # this forward's first copy-in orders after compute (the optimizer step)
 
     def _move_inputs_to_device(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.device.type == "cpu":
@@ -330,6 +333,8 @@ class FSDPState:
             state._modules_to_run = set()  # a list unit's pass some of whose members never ran
         if any(s.is_root and s.is_last_backward for s in root.states):  # else finished later
             root.reduces.drain()
+            root.comm.release_reduce_scatter_inputs()  # not held through the optimizer step (as torch)
+        root.comm.new_iteration()
         root.callback_queued = False
         root.order_frozen = True
 

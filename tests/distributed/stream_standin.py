@@ -68,11 +68,13 @@ class SimStream:
 
     # torch.cuda.Stream's interface, as CommContext uses it
     def wait_stream(self, other: SimStream) -> None:
-        self.device.log.append(("wait_stream", self.name, other.name))
+        self.device.log.append(Wait(self.name, other.name, None, 0))
         _merge(self.clock, other.clock)
 
     def wait_event(self, event: SimEvent) -> None:
-        self.device.log.append(("wait_event", self.name, event.stream.name if event.stream else "-"))
+        on = event.stream
+        lag = on.clock[on] - event.clock.get(on, 0) if on is not None else 0
+        self.device.log.append(Wait(self.name, on.name if on is not None else "-", id(event), lag))
         _merge(self.clock, event.clock)
 
     def record_event(self, event: SimEvent | None = None) -> SimEvent:
@@ -112,6 +114,17 @@ class SimEvent:
         return 0.0
 
 
+@dataclass(frozen=True)
+class Wait:
+    """One ``wait_stream`` (``event`` None) or ``wait_event`` of stream ``waiter`` on stream ``on``;
+    ``lag``: ops issued on ``on`` after the event when it was waited."""
+
+    waiter: str
+    on: str
+    event: int | None
+    lag: int
+
+
 @dataclass(eq=False)
 class Block:
     """One storage: where it was allocated, its last write and its last read on each stream."""
@@ -139,17 +152,17 @@ class StreamStandIn(TorchDispatchMode):
         self.blocks: dict[int, Block] = {}  # id(storage) -> block, while the storage lives
         self.freed: dict[SimStream, list[Block]] = {}  # freed, not yet checked against an allocation
         self.violations: list[str] = []
-        self.log: list[tuple[str, str, str]] = []  # waits, for tests that count them
+        self.log: list[Wait] = []  # every wait, for tests that check when a stream waited
         self._names = itertools.count()
         self._lock = threading.Lock()  # storages may die in a backend's thread
 
     # --- torch.cuda's interface, as CommContext uses it -------------------------------------------
-    def Stream(self, device: Any = None, priority: int = 0) -> SimStream:  # noqa: N802 (torch.cuda.Stream)
+    def Stream(self, device: Any = None, priority: int = 0) -> SimStream:  # torch.cuda.Stream
         names = ("all_gather_copy_in", "all_gather", "reduce_scatter", "all_reduce")
         n = next(self._names)
         return SimStream(self, names[n] if n < len(names) else f"side{n}")
 
-    def Event(self, **kwargs: Any) -> SimEvent:  # noqa: N802 (torch.cuda.Event)
+    def Event(self, **kwargs: Any) -> SimEvent:  # torch.cuda.Event
         return SimEvent(self, **kwargs)
 
     def current_stream(self, device: Any = None) -> SimStream:
