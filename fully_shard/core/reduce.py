@@ -25,7 +25,7 @@ from .layout import FlatLayout
 from .param import ShardedParam
 
 SUM: dist.ReduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
-_NO_OVERFLOW_RISK = (torch.float32, torch.bfloat16, torch.float64)
+_NO_OVERFLOW_RISK = (torch.float32, torch.bfloat16)  # torch's set: every other dtype splits the division
 
 
 @dataclass
@@ -53,15 +53,19 @@ class ReduceOps:
 
 
 def reduce_ops(settings: ReduceSettings, world: int, dtype: torch.dtype) -> ReduceOps:
-    """Default: AVG collectives (NCCL and gloo both average). A divide factor ``f`` or forced SUM: SUM
-    collectives and a division by ``f`` (default ``world``, every shard and replica rank) on the reduced
-    shard; in a dtype with overflow risk (fp16) split as ``pre * post = f`` around the collective, as
-    torch does. torch uses NCCL's ``PREMUL_SUM(1/f)`` here, which gloo lacks; SUM + scale runs everywhere."""
-    avg: dist.ReduceOp = collectives.AVG
-    if settings.divide_factor is None and not settings.force_sum:
+    """torch 2.13's rule. fp32/bf16 with the default divisor: AVG collectives (NCCL and gloo both
+    average). A divide factor ``f`` or forced SUM: SUM collectives and a division by ``f`` (default
+    ``world``, every shard and replica rank) on the reduced shard. In any other dtype (fp16, fp64: the
+    overflow risk torch guards against) always SUM, the division split as ``pre * post = f`` around the
+    collective (~sqrt(f) each), so neither NCCL's pre-multiplied AVG underflows nor gloo's sum-then-divide
+    overflows. torch uses NCCL's ``PREMUL_SUM(1/f)`` for a set factor, which gloo lacks; SUM + a division
+    runs everywhere (README, differences)."""
+    overflow_risk = dtype not in _NO_OVERFLOW_RISK
+    if settings.divide_factor is None and not settings.force_sum and not overflow_risk:
+        avg: dist.ReduceOp = collectives.AVG
         return ReduceOps(avg, avg, None, None)
     factor = float(settings.divide_factor if settings.divide_factor is not None else world)
-    if dtype in _NO_OVERFLOW_RISK:
+    if not overflow_risk:
         return ReduceOps(SUM, SUM, None, factor)
     pre = 1
     while factor % pre == 0 and factor / pre > pre:
