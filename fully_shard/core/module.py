@@ -252,9 +252,11 @@ class FSDPModule:
 
     def set_post_optim_event(self, event: Any) -> None:
         """The root's next all-gather copy-in waits on ``event`` (recorded after the optimizer step)
-        instead of the compute stream, once; pass a new event each roots. On CPU (no streams) the
-        host waits on it: a ``torch.Event`` or any object with ``synchronize()`` or ``wait()``."""
-        if not (callable(getattr(event, "synchronize", None)) or callable(getattr(event, "wait", None))):
+        instead of the compute stream, once; pass a new event each iteration. On CPU (no streams) the
+        host waits on it: a ``torch.Event`` or any object with ``synchronize()`` or ``wait()``. ``None``
+        (what ``record_event()`` returns on CPU) is no event: the copy-in orders after compute, as torch."""
+        waitable = callable(getattr(event, "synchronize", None)) or callable(getattr(event, "wait", None))
+        if event is not None and not waitable:
             raise TypeError(f"set_post_optim_event expects a torch.Event (or an object with synchronize() or "
                             f"wait()), got {type(event).__name__}")
         state = self._fsdp

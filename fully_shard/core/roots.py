@@ -31,6 +31,7 @@ def reset_iter_state(state: FSDPState) -> None:
     root.reduces.discard()
     root.comm.discard_in_flight()
     root.callback_queued = False  # autograd drops a failed backward's queued callbacks
+    root.reduce_callback_queued = False
     if not root.order_frozen:  # the first forward failed: record the order again
         root.forward_order.clear()
         root.post_forward_order.clear()

@@ -30,7 +30,7 @@ from .tree import join_fqn, map_tensors, tensors
 # replaced per state by its torch.compiler.disable'd form, so that Dynamo never traces them and a
 # compiled block's forward stays one graph (dynamo.py, design/hooks.md "torch.compile").
 _EAGER_METHODS = ("pre_forward_hook", "post_forward_hook", "pre_backward", "post_backward",
-                  "root_final_callback")
+                  "root_final_callback", "finish_reduces_callback")
 
 
 class TrainingState(enum.Enum):
@@ -52,6 +52,7 @@ class RootContext:
         self.post_forward_order: list[FSDPState] = []  # ... and ended: backward runs it in reverse
         self.order_frozen = False
         self.callback_queued = False
+        self.reduce_callback_queued = False  # finish_reduces_callback (a backward inside a list unit's pass)
 
 
 class FSDPState:
@@ -284,6 +285,8 @@ class FSDPState:
         partial_pass = self.training_state is TrainingState.FORWARD
         if not (partial_pass and self._awaits_post_backward):
             self._queue_final_callback()
+        else:  # ... but this backward still leaves complete gradients: its reduces finish at its end
+            self._queue_reduce_callback()
         self.training_state = TrainingState.PRE_BACKWARD
         if self.group is not None:
             self.group.unshard(Phase.BACKWARD)
@@ -297,6 +300,20 @@ class FSDPState:
         if not root.callback_queued:
             root.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.root_final_callback)
+
+    def _queue_reduce_callback(self) -> None:
+        root = self._root
+        if not root.reduce_callback_queued:
+            root.reduce_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_reduces_callback)
+
+    def finish_reduces_callback(self) -> None:
+        """End of a backward that ended inside a list unit's open pass (a member run on its own, e.g.
+        per loss chunk): finish its reduces, so ``.grad`` is complete when ``backward()`` returns."""
+        root = self._root
+        root.reduce_callback_queued = False
+        root.reduces.drain()
+        root.comm.release_reduce_scatter_inputs()
 
     def post_backward(self) -> None:
         """All gradients of this unit's parameters for one forward call are ready."""

@@ -160,8 +160,12 @@ def _host_side() -> dict[str, Any]:
     events = [_Event(), _Event()]
     out["with_event"] = _train(model, lambda m: m.set_post_optim_event(events[0]), steps=1)["losses"]
     model.set_post_optim_event(torch.Event(device="cpu"))  # accepted: the host waits on it
+    model.set_post_optim_event(None)  # no event (torch accepts it): replaces the CPU event
     model.set_post_optim_event(events[1])  # replaces the previous one, waited once by the next forward
     out["second"] = _train(model, None, steps=1)["losses"]
+    model.set_post_optim_event(events[1])
+    model.set_post_optim_event(None)  # forgets events[1]: the next forward waits on nothing
+    out["after_none"] = _train(model, None, steps=1)["losses"]
     out["waits"] = [e.waits for e in events]
     plain = _build(fully_shard)
     out["plain"] = [_train(plain, None, steps=1)["losses"][0] for _ in range(2)]
