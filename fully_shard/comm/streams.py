@@ -98,6 +98,7 @@ class CommContext:
         # the reduce-scatter inputs in flight, oldest first: (buffer, event after its collective)
         self.reduce_scatter_states: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
         self.copy_in_ordered = False  # the copy-in stream waited on compute this iteration (order_copy_in)
+        self.grad_offload_event: Any = None  # after the last asynchronous grad copy to the host (offload)
         self.post_optim_event: Any = None  # set_post_optim_event: waited once by the next copy-in
         if self.accelerated:
             mod = _stand_in if _stand_in is not None else torch.get_device_module(device)
@@ -191,10 +192,22 @@ class CommContext:
     def hold_reduce_scatter_input(self, buffer: torch.Tensor, event: Any) -> None:
         self.reduce_scatter_states.append((buffer, event))
 
+    def hold_grad_offload_event(self) -> None:
+        """CPU offload: grads were just copied to the host asynchronously on the current stream."""
+        self.grad_offload_event = self.record_event(self.current_stream())
+
+    def sync_grad_offload(self) -> None:
+        """End of backward: the host waits for the grads' copies before anything on it reads them (the
+        optimizer step, accumulation) or overwrites the shards the last all-gather copied from."""
+        event, self.grad_offload_event = self.grad_offload_event, None
+        if event is not None:
+            event.synchronize()
+
     def discard_in_flight(self) -> None:
         """``reset_iter_state``: drop the held buffers once the streams that read them are done."""
         self.release_all_gather_buffer()
         self.release_reduce_scatter_inputs()
+        self.sync_grad_offload()
         self.post_optim_event = None
         self.copy_in_ordered = False
 

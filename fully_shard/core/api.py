@@ -68,7 +68,8 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
     ignored = {id(p) for p in (ignored_params or ())}
     slots = _managed_slots(modules, ignored)
     pin = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
-    params = _shard_params(slots, mesh_info, device, storage_device, shard_placement_fn, pin)
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    params = _shard_params(slots, mesh_info, device, storage_device, shard_placement_fn, pin, offload)
     _check_dtensor_params(params, reshard_after_forward, mesh_info)
     for (orig, where), sp in zip(slots, params):  # only once every parameter was accepted: a failed call
         registry.set_owner(orig, f"{type(where[0][0]).__name__} (param {sp.fqn!r})")  # leaves the module as it was
@@ -170,7 +171,7 @@ def _walk_unowned(root: nn.Module) -> Iterable[tuple[str, nn.Module]]:
 def _shard_params(slots: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]], mesh_info: MeshInfo,
                   device: torch.device, storage_device: torch.device,
                   shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None,
-                  pin_memory: bool) -> list[ShardedParam]:
+                  pin_memory: bool, offload: bool) -> list[ShardedParam]:
     params = []
     for p, where in slots:
         module, name, fqn = where[0]
@@ -180,7 +181,7 @@ def _shard_params(slots: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str
                              f"(init_device_mesh({p.device.type!r}, ...)) or move the module first.")
         shard_dim = _shard_dim(shard_placement_fn(p) if shard_placement_fn else None, p, fqn)
         sp = ShardedParam(module, name, fqn, p, mesh_info, storage_device,  # meta stays meta until to_empty
-                          pin_memory=pin_memory, shard_dim=shard_dim)
+                          pin_memory=pin_memory, offload=offload, shard_dim=shard_dim)
         sp.slots = [(m, n) for m, n, _ in where]
         params.append(sp)
     return params

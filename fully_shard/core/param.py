@@ -11,6 +11,8 @@ TP DTensor again, wrapping the same reusable storage.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -32,7 +34,8 @@ class ShardedParam:
     """One managed parameter: owns its sharded DTensor and its unsharded storage."""
 
     def __init__(self, module: nn.Module, name: str, fqn: str, param: nn.Parameter, mesh_info: MeshInfo,
-                 storage_device: torch.device, *, pin_memory: bool = False, shard_dim: int = 0) -> None:
+                 storage_device: torch.device, *, pin_memory: bool = False, offload: bool = False,
+                 shard_dim: int = 0) -> None:
         self.module = module
         self.name = name
         self.slots: list[tuple[nn.Module, str]] = [(module, name)]  # every (module, attr) holding it
@@ -41,6 +44,9 @@ class ShardedParam:
         self.mesh_info = mesh_info
         self.storage_device = storage_device  # where the shard lives (CPU under offload)
         self.pin_memory = pin_memory
+        # CPU offload: the shard and its grad live on the host; every unshard copies it to the device and
+        # every reduce copies the grad back (even where both are the CPU: tests run that path on CPU)
+        self.offload = offload
         self.requires_grad = param.requires_grad
         self.global_shape = tuple(param.shape)  # of the DTensor (the whole parameter)
         # Sharding along dim d uses the dim-0 layout of the tensor with d moved to the front.
@@ -124,34 +130,46 @@ class ShardedParam:
         """Flat pieces on ``device`` that make this rank's padded shard: the local shard, then zero
         padding. With CPU offload the shard is copied from the host here (asynchronously: pinned)."""
         local = self.moved(self.sharded_local).reshape(-1)
-        if local.device != device:
-            local = local.to(device, non_blocking=True)
+        if self.offload or local.device != device:
+            local = local.to(device, non_blocking=True, copy=True)
         pad = self.layout.padding_numel(self.mesh_info.shard_rank)
         return [local, local.new_zeros(pad)] if pad else [local]
 
-    def set_sharded_grad(self, local_grad: torch.Tensor) -> None:
-        """Assign (or accumulate into) ``.grad`` of the sharded parameter as a DTensor.
+    def set_sharded_grad(self, local_grad: torch.Tensor) -> bool:
+        """Assign (or accumulate into) ``.grad`` of the sharded parameter as a DTensor. True when the
+        grad was copied to the host asynchronously: the caller records an event after it and the end of
+        backward synchronizes it before anything on the host reads it (``Reducer.finish``).
 
-        ``local_grad`` is in the communication layout (shard dim first); it is moved back here."""
+        ``local_grad`` is in the communication layout (shard dim first); it is moved back here. Under
+        CPU offload the copy is asynchronous only where nothing on the host reads it before that sync
+        (as torch): pinned memory, no accumulation into an existing grad, no post-accumulate hooks."""
         local_grad = self.unmoved(local_grad).to(self.orig_dtype).contiguous()  # Shard(d > 0): as torch
-        if local_grad.device != self.storage_device:
-            local_grad = local_grad.to(self.storage_device, non_blocking=True)
         existing = self.sharded_param.grad
-        if not isinstance(existing, DTensor):
+        accumulate = isinstance(existing, DTensor)
+        asynchronous = False
+        if self.offload or local_grad.device != self.storage_device:
+            asynchronous = self.pin_memory and not accumulate and not self._post_accumulate_hooks()
+            local_grad = local_grad.to(self.storage_device, non_blocking=asynchronous, copy=True)
+        if not accumulate:
             placements = self.sharded_param.placements
             grad = self._dtensor(local_grad, self.spec.mesh, placements)
             self.sharded_param.grad = grad
             registry.announce_grad(grad, placements)  # e.g. the optimizer step's check, done where it is known
         else:
             with torch.no_grad():
-                existing.to_local().add_(local_grad)
+                existing.to_local().add_(local_grad)  # type: ignore[union-attr]
+        return asynchronous
+
+    def _post_accumulate_hooks(self) -> list[Any]:
+        """The hooks registered with ``register_post_accumulate_grad_hook`` on the sharded parameter
+        (torch keeps them in this attribute)."""
+        return list((getattr(self.sharded_param, "_post_accumulate_grad_hooks", None) or {}).values())
 
     def run_post_accumulate_grad_hooks(self) -> None:
         """Call the hooks registered with ``register_post_accumulate_grad_hook`` on the sharded
         parameter: autograd never accumulates into it (it does into the unsharded one), so they run
-        here, once its sharded ``.grad`` is assigned. Torch keeps them in this attribute."""
-        hooks = getattr(self.sharded_param, "_post_accumulate_grad_hooks", None)
-        for hook in list((hooks or {}).values()):
+        here, once its sharded ``.grad`` is assigned."""
+        for hook in self._post_accumulate_hooks():
             hook(self.sharded_param)
 
     # --- unsharded form -----------------------------------------------------------------------

@@ -188,7 +188,7 @@ class Reducer:
                 self._run_all_reduce_hook(item.output, item.comm)
                 if item.ops.post_divide is not None and item.ops.post_divide != 1:
                     item.output.div_(item.ops.post_divide)
-                self._assign_grads(item.output, item.params, item.flat)
+                self._assign_grads(item.output, item.params, item.flat, item.comm)
         self.pending.clear()
         trace.emit_if_observed(trace.EventKind.REDUCE_DONE, self.fqn, trace.Phase.BACKWARD)
 
@@ -240,15 +240,19 @@ class Reducer:
                                group_size=self.mesh_info.replicate_world, timing=pending.timing)
         return output, pending
 
-    def _assign_grads(self, output: torch.Tensor, params: list[ShardedParam], flat: FlatLayout) -> None:
+    def _assign_grads(self, output: torch.Tensor, params: list[ShardedParam], flat: FlatLayout,
+                      ctx: CommContext) -> None:
         """Assign each parameter's rows as its sharded ``.grad``, then run its post-accumulate-grad
         hooks (optimizer-in-backward), as autograd would for a leaf (design/hooks.md)."""
         rank = self.mesh_info.shard_rank
         with torch.no_grad():
+            copied = False  # CPU offload: some grads went to the host asynchronously
             for p, offset in zip(params, flat.offsets):
                 local = output.narrow(0, offset, p.layout.local_numel(rank)).view(p.layout.local_shape(rank))
-                p.set_sharded_grad(local)
+                copied |= p.set_sharded_grad(local)
                 p.run_post_accumulate_grad_hooks()
+        if copied:
+            ctx.hold_grad_offload_event()
 
 
 class ReduceQueue:

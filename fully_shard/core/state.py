@@ -314,6 +314,7 @@ class FSDPState:
         root.reduce_callback_queued = False
         root.reduces.drain()
         root.comm.release_reduce_scatter_inputs()
+        root.comm.sync_grad_offload()
 
     def post_backward(self) -> None:
         """All gradients of this unit's parameters for one forward call are ready."""
@@ -351,6 +352,7 @@ class FSDPState:
         if any(s.is_root and s.is_last_backward for s in root.states):  # else finished later
             root.reduces.drain()
             root.comm.release_reduce_scatter_inputs()  # not held through the optimizer step (as torch)
+            root.comm.sync_grad_offload()
         root.comm.new_iteration()
         root.callback_queued = False
         root.order_frozen = True

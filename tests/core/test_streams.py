@@ -52,13 +52,16 @@ def _train(model: nn.Module, steps: int, *, hook: Callable[[nn.Module, int, int]
 
 
 def _run(shard: Callable[[TinyGPT], nn.Module], *, steps: int = 2, micro: int = 1,
-         hook: Callable[[nn.Module, int, int], None] | None = None) -> dict[str, Any]:
-    """Train the stand-in's CUDA branch and the CPU branch from the same weights."""
+         hook: Callable[[nn.Module, int, int], None] | None = None, offload: bool = False) -> dict[str, Any]:
+    """Train the stand-in's CUDA branch and the CPU branch from the same weights (``offload``: the
+    sharded parameters are host memory, as CPUOffloadPolicy puts them)."""
     torch.manual_seed(0)
     ref = TinyGPT()
     cpu_losses = _train(shard(copy.deepcopy(ref)), steps, hook=hook, micro=micro)
     with StreamStandIn() as device, streams.stand_in(device):
         model = shard(copy.deepcopy(ref))
+        if offload:
+            device.mark_host(list(model.parameters()))
         losses = _train(model, steps, hook=hook, micro=micro)
         gc.collect()
     # compute's first wait on each reduce-scatter event, and how many ops that stream had issued since
@@ -126,12 +129,17 @@ def test_partial_reshard_keeps_the_block_until_the_all_gather_is_waited() -> Non
 
 
 @distributed(world_size=2)
-def _offload() -> dict[str, Any]:
-    return _run(lambda m: _shard(m, offload_policy=CPUOffloadPolicy(pin_memory=False)))
+def _offload(pin_memory: bool, micro: int) -> dict[str, Any]:
+    return _run(lambda m: _shard(m, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory)), offload=True,
+                micro=micro)
 
 
-def test_cpu_offload() -> None:
-    _assert_clean(_offload())
+def test_cpu_offload_pinned_copies_are_synchronized_before_the_host_reads_them() -> None:
+    _assert_clean(_offload(True, 1))
+
+
+def test_cpu_offload_accumulation_and_pageable_memory() -> None:
+    _assert_clean(_offload(True, 2) + _offload(False, 1))
 
 
 @distributed(world_size=2)

@@ -62,9 +62,13 @@ class SimStream:
         return self.clock[self]
 
     def reaches(self, point: Point) -> bool:
-        """Whether ``point`` happens before this stream's next op."""
+        """Whether ``point`` happens before this stream's next op. A host op happens before every op
+        enqueued after it; the host reaches a stream's op once it synchronized with it."""
         stream, seq = point
-        return stream is self or self.clock.get(stream, 0) >= seq or self.device.host.get(stream, 0) >= seq
+        host = self.device.host_stream
+        if stream is self or (stream is host and self is not host):
+            return True
+        return self.clock.get(stream, 0) >= seq or host.clock.get(stream, 0) >= seq
 
     # torch.cuda.Stream's interface, as CommContext uses it
     def wait_stream(self, other: SimStream) -> None:
@@ -83,7 +87,7 @@ class SimStream:
         return event
 
     def synchronize(self) -> None:
-        _merge(self.device.host, self.clock)
+        _merge(self.device.host_stream.clock, self.clock)
 
     def query(self) -> bool:
         return True
@@ -105,7 +109,7 @@ class SimEvent:
         (stream if stream is not None else self.device.current).wait_event(self)
 
     def synchronize(self) -> None:
-        _merge(self.device.host, self.clock)
+        _merge(self.device.host_stream.clock, self.clock)
 
     def query(self) -> bool:
         return True
@@ -131,6 +135,7 @@ class Block:
 
     name: str
     stream: SimStream
+    host: bool = False  # host memory (CPU offload): ops on it run on the host, copies to it are DMAs
     last_write: Point | None = None
     reads: dict[SimStream, int] = field(default_factory=dict)
 
@@ -148,7 +153,7 @@ class StreamStandIn(TorchDispatchMode):
         super().__init__()
         self.default = SimStream(self, "compute")
         self.current = self.default
-        self.host: Clock = {}  # what the host has synchronized with
+        self.host_stream = SimStream(self, "host")  # host ops; its clock: what the host synchronized with
         self.blocks: dict[int, Block] = {}  # id(storage) -> block, while the storage lives
         self.freed: dict[SimStream, list[Block]] = {}  # freed, not yet checked against an allocation
         self.violations: list[str] = []
@@ -179,6 +184,14 @@ class StreamStandIn(TorchDispatchMode):
     def synchronize(self, device: Any = None) -> None:
         for stream in {s for b in self.blocks.values() for s, _ in b.uses()}:
             stream.synchronize()
+
+    def mark_host(self, tensors: list[torch.Tensor]) -> None:
+        """These tensors live in host memory (CPU offload's shards): ops on them run on the host."""
+        for t in tensors:
+            local = _plain(t)
+            if local is not None:
+                block, _ = self._block(local, self.default, "host")
+                block.host = True
 
     # --- the checks ------------------------------------------------------------------------------
     def check(self) -> None:
@@ -239,9 +252,13 @@ class StreamStandIn(TorchDispatchMode):
         if schema is not None and schema.returns and all(
                 r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
             return out  # a view: no data touched
-        stream = self.current
-        seq = stream.tick()
         op = str(func.overloadpacket.__name__)
+        flat_args = [b for b in (_plain(t) for t in tree_flatten((args, kwargs))[0]) if b is not None]
+        arg_blocks = [self.blocks.get(id(t.untyped_storage())) for t in flat_args]
+        moving = op == "_to_copy" and "device" in kwargs  # a copy between host and device: a DMA on the stream
+        host_op = not moving and bool(arg_blocks) and all(b is not None and b.host for b in arg_blocks)
+        stream = self.host_stream if host_op else self.current
+        seq = stream.tick()
         written: set[int] = set()
         if schema is not None:
             for i, arg in enumerate(schema.arguments):
@@ -253,6 +270,7 @@ class StreamStandIn(TorchDispatchMode):
             if local is not None:
                 block, _ = self._block(local, stream, op)
                 self._use(block, stream, seq, id(t) in written, op)
+        source_host = bool(arg_blocks) and arg_blocks[0] is not None and arg_blocks[0].host
         # outputs: views and in-place results alias an argument (seen above); the rest are new blocks
         aliased = schema is not None and any(r.alias_info is not None for r in schema.returns)
         allocated = False
@@ -260,9 +278,12 @@ class StreamStandIn(TorchDispatchMode):
             local = _plain(t)
             if local is not None:
                 block, new = self._block(local, stream, op)
+                block.host = (not source_host) if moving else host_op
                 allocated |= new
                 self._use(block, stream, seq, True, op)
-        if allocated:
+        if moving and not kwargs.get("non_blocking", False):
+            _merge(self.host_stream.clock, stream.clock)  # a blocking copy: the host waited for the stream
+        if allocated and not host_op:
             self._allocated_on(stream, seq)
         return out
 
