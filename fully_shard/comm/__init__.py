@@ -1,0 +1,1 @@
+"""Collectives used by the library outside its forward/backward path."""
