@@ -26,10 +26,10 @@ def make_pair(*, n_blocks: int = 1, shard: Callable[[nn.Module], nn.Module] = sh
     ref = TinyGPT(n_blocks=n_blocks)
     model = shard(copy.deepcopy(ref))
     kw = {**MUON_KW, **muon_kw}
-    comm = kw.pop("comm", "owner")
+    ours = {k: kw.pop(k) for k in ("comm", "per_bucket") if k in kw}
     groups = muon_param_groups(model, adamw_lr=ADAMW_KW["lr"], adamw_betas=ADAMW_KW["betas"],
                                adamw_eps=ADAMW_KW["eps"], adamw_weight_decay=ADAMW_KW["weight_decay"])
-    opt = Muon(groups, comm=comm, **kw)
+    opt = Muon(groups, **kw, **ours)
     ref_params = dict(ref.named_parameters())
     muon_names = [n for g in groups if g["algorithm"] == "muon" for n in g["param_names"]]
     adamw_names = [n for g in groups if g["algorithm"] == "adamw" for n in g["param_names"]]
