@@ -63,22 +63,6 @@ def zeropower_via_newtonschulz(grad: Tensor, ns_coefficients: tuple[float, float
     return ortho_grad
 
 
-def zeropower_batched(grad: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
-                      eps: float) -> Tensor:
-    """The same iteration on each matrix of a ``[B, m, n]`` stack, batched (experts, per-head blocks)."""
-    a, b, c = ns_coefficients
-    ortho = grad.bfloat16()
-    tall = grad.size(-2) > grad.size(-1)
-    if tall:
-        ortho = ortho.mT
-    ortho = ortho / torch.stack([m.norm() for m in ortho]).clamp(min=eps).view(-1, 1, 1)
-    for _ in range(ns_steps):
-        gram = ortho @ ortho.mT
-        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        ortho = torch.baddbmm(ortho, gram_update, ortho, beta=a)
-    return ortho.mT if tall else ortho
-
-
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
     """torch.optim._muon._adjust_lr on the matrix's *global* shape ``(A, B)``."""
     A, B = shape[:2]
@@ -124,14 +108,17 @@ class _Item:
 
 
 def _orthogonalize(x: Tensor, group: dict[str, Any], blocks: int) -> Tensor:
-    """Newton-Schulz on a whole matrix (2-D), per row block (``blocks`` > 1) or per matrix of a stack (3-D)."""
+    """Newton-Schulz on a whole matrix (2-D), per row block (``blocks`` > 1) or per matrix of a stack (3-D).
+
+    Stacks and blocks run torch's 2-D function matrix by matrix: a batched ``baddbmm`` version differs from
+    it by one bf16 ulp on some inputs (design/muon.md), and equality with torch is the contract."""
     coeffs, steps, eps = tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"]
+    if x.ndim == 2 and blocks > 1:
+        return _orthogonalize(x.reshape(blocks, x.shape[0] // blocks, x.shape[1]), group, 1).reshape(x.shape)
     if x.ndim == 3:
-        return zeropower_batched(x, coeffs, steps, eps)  # type: ignore[arg-type]
-    if blocks > 1:
-        rows = x.shape[0] // blocks
-        return zeropower_batched(x.reshape(blocks, rows, x.shape[1]), coeffs, steps,  # type: ignore[arg-type]
-                                 eps).reshape(x.shape)
+        if x.shape[0] == 0:
+            return x.bfloat16()
+        return torch.stack([zeropower_via_newtonschulz(m, coeffs, steps, eps) for m in x])  # type: ignore[arg-type]
     return zeropower_via_newtonschulz(x, coeffs, steps, eps)  # type: ignore[arg-type]
 
 
@@ -314,7 +301,7 @@ class Muon(Optimizer):
     def _plan(self, pg: dist.ProcessGroup, items: list[_Item]) -> OwnerPlan:
         specs = tuple(item.spec() for item in items)
         world = dist.get_world_size(pg)
-        key = (pg, world, specs, self.per_bucket)
+        key = (world, specs, self.per_bucket)  # the plan depends on nothing else (no process group: deepcopy)
         plan = self._plans.get(key)
         if plan is None:
             plan = plan_owners(specs, world, per_bucket=self.per_bucket)

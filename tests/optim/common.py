@@ -40,9 +40,11 @@ def make_pair(*, n_blocks: int = 1, shard: Callable[[nn.Module], nn.Module] = sh
     return model, opt, ref, ref_opts
 
 
-def feed_same_grads(model: nn.Module, ref: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Backward on the unsharded twin; give each sharded parameter its rows of the same gradient."""
-    loss_fn(ref(x), y).backward()
+def feed_same_grads(model: nn.Module, ref: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:
+    """Backward on the unsharded twin (``y=None``: its gradients are already there); give each sharded
+    parameter its rows of the same gradient."""
+    if y is not None:
+        loss_fn(ref(x), y).backward()
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         full = ref_params[name].grad
