@@ -218,7 +218,7 @@ def _tiny_llama(tied: bool) -> nn.Module:
 def test_llama_routing(tied: bool) -> None:
     model = _tiny_llama(tied)
     groups = muon_param_groups(model, adamw_lr=1e-3, heads={"*.q_proj.weight": 4})
-    routed = {n: (g["algorithm"], g["ns_blocks"] if "ns_blocks" in g else None) for g in groups
+    routed = {n: (g["algorithm"], g.get("ns_blocks")) for g in groups
               for n in g["param_names"]}
     assert set(routed) == {n for n, _ in model.named_parameters()}  # every parameter once (tied: once)
     for name, (algorithm, blocks) in routed.items():

@@ -86,5 +86,5 @@ def test_digest_changes_with_the_inputs() -> None:
 def test_bad_inputs_name_the_value() -> None:
     with pytest.raises(ValueError, match="world=0"):
         plan_owners([], 0)
-    with pytest.raises(ValueError, match="'q'.*blocks=3"):
+    with pytest.raises(ValueError, match=r"'q'.*blocks=3"):
         plan_owners([MatrixSpec("q", 8, 4, blocks=3)], 2)
