@@ -26,7 +26,7 @@ from fully_shard.optim.muon_plan import ns_cost
 from tests.core.common import shard_gpt
 from tests.distributed.counting import CountCollectives
 from tests.distributed.harness import distributed
-from tests.models import batches
+from tests.models import TinyGPT, batches
 from tests.optim.common import feed_same_grads, make_pair, max_diff, run_equal
 
 TOL = 1e-5
@@ -134,6 +134,19 @@ def _bad_input() -> dict[str, str]:
     refused("ep", lambda: Muon([("experts.w1", expert)]))
     refused("blocks", lambda: Muon([{"params": [named["blocks.0.up.weight"]], "param_names": ["blocks.0.up.weight"],
                                      "ns_blocks": 2}]))
+    # built before fully_shard: the library's step hook refuses it (it runs for every optimizer)
+    torch.manual_seed(0)
+    raw = TinyGPT(n_blocks=1)
+    early = Muon(muon_param_groups(raw))
+    shard_gpt(raw)
+    refused("before", early.step)
+    # ranks that built different plans (here: another parameter order) are told, not left to hang
+    a, b = named["blocks.0.up.weight"], named["blocks.0.down.weight"]
+    order = [("blocks.0.up.weight", a), ("blocks.0.down.weight", b)]
+    mixed = Muon(order[::-1] if dist.get_rank() == 1 else order)
+    for q in (a, b):
+        q.grad = distribute_tensor(torch.zeros(q.shape), q.device_mesh, q.placements, src_data_rank=None)
+    refused("plan", mixed.step)
     # a gradient laid out unlike its parameter
     p = named["blocks.0.proj.weight"]
     opt = Muon([("blocks.0.proj.weight", p)])
@@ -150,6 +163,8 @@ def test_bad_input_names_the_parameter() -> None:
     assert "'experts.w1'" in errors["ep"] and "expert-parallel" in errors["ep"]
     assert "'blocks.0.up.weight'" in errors["blocks"] and "ns_blocks=2" in errors["blocks"]
     assert "'blocks.0.proj.weight'" in errors["grad"] and "gradient" in errors["grad"]
+    assert "build the optimizer after fully_shard" in errors["before"]
+    assert "plan differs across ranks" in errors["plan"] and "ranks [1]" in errors["plan"]
 
 
 # --- experts, per-head blocks, plain parameters next to sharded ones -----------------------------------
