@@ -502,8 +502,6 @@ def muon_param_groups(
                 n.rsplit(".", 1)[-1] in _HEAD_NAMES or m.out_features in vocabs)}
     muon_ids: dict[int, int] = {}  # id(param) -> ns_blocks
     for module in model.modules():
-        if id(module) in head_modules or isinstance(module, nn.Embedding):
-            continue
         conv = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
         for pname, p in module.named_parameters(recurse=False):
             if (isinstance(module, nn.Linear) and pname == "weight" and p.ndim == 2) or (p.ndim == 3 and not conv):
