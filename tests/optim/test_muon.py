@@ -7,7 +7,9 @@ assembled matrix); the issue's bound, 1e-5, is what is asserted.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from fully_shard import checkpoint, fully_shard
 from fully_shard.optim import Muon, muon_param_groups
+from fully_shard.optim import muon as muon_module
 from fully_shard.optim.muon_plan import ns_cost
 from tests.core.common import shard_gpt
 from tests.distributed.counting import CountCollectives
@@ -61,6 +64,27 @@ def test_equal_to_torch_w3_uneven_rows() -> None:
         assert all(d <= TOL for d in rank_result.values()), rank_result
 
 
+@contextlib.contextmanager
+def recording_order() -> Iterator[list[str]]:
+    """The sequence of all-to-all launches and Newton-Schulz calls inside the block (this rank)."""
+    order: list[str] = []
+    launch, ortho = muon_module.all_to_all_rows, muon_module._orthogonalize
+
+    def spy_launch(*args: Any, **kwargs: Any) -> Any:
+        order.append("all_to_all")
+        return launch(*args, **kwargs)
+
+    def spy_ortho(*args: Any, **kwargs: Any) -> Any:
+        order.append("ns")
+        return ortho(*args, **kwargs)
+
+    muon_module.all_to_all_rows, muon_module._orthogonalize = spy_launch, spy_ortho  # type: ignore[assignment]
+    try:
+        yield order
+    finally:
+        muon_module.all_to_all_rows, muon_module._orthogonalize = launch, ortho  # type: ignore[assignment]
+
+
 def _hsdp(model: nn.Module) -> nn.Module:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     return shard_gpt(model, mesh=mesh)
@@ -79,7 +103,7 @@ def _equal_w4() -> dict[str, Any]:
             if k == 0:
                 opt.step()  # the first step also checks the plan
             else:
-                with CountCollectives() as counted:
+                with CountCollectives() as counted, recording_order() as order:
                     opt.step()
             ref.zero_grad()
         muon = [p for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]]
@@ -91,6 +115,7 @@ def _equal_w4() -> dict[str, Any]:
             "ns_total": sum(ns_cost(s) for s in plan.specs), "load": plan.load, "buckets": len(plan.buckets),
             "plan_sent": plan.elements_sent(dist.get_rank()) * 2,  # bf16 elements
             "diff": max_diff(model, ref),
+            "order": order,
         }
     return out
 
@@ -112,6 +137,9 @@ def test_equal_w4_hsdp_traffic_and_work() -> None:
         assert own["sent"] < gat["sent"], (own, gat)
         # Newton-Schulz: the owner runs its share of the plan, the gather mode everything
         assert own["ns_work"] == own["load"][rank], own
+        # overlap: bucket k+1's rows are on their way while bucket k is orthogonalized
+        assert own["buckets"] == 2 and own["order"][:2] == ["all_to_all", "all_to_all"], own["order"]
+        assert own["order"].index("ns") < own["order"].index("all_to_all", 2), own["order"]
         assert gat["ns_work"] == gat["ns_total"], gat
     work = [r["owner"]["ns_work"] for r in results]
     assert sum(work) == results[0]["owner"]["ns_total"]
