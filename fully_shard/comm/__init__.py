@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import collectives, protocol, trace
+from . import collectives, exchange, protocol, trace
 from .streams import CommContext, Pending
 
-__all__ = ["CommContext", "Pending", "collectives", "protocol", "trace"]
+__all__ = ["CommContext", "Pending", "collectives", "exchange", "protocol", "trace"]
