@@ -197,6 +197,16 @@ class DataFile:
             self._header = self._read_header()
         return self._header
 
+    def adopt(self, header: Header) -> None:
+        """Use a header another rank read and validated (each file's header is parsed once per job); a header
+        this rank parsed itself is kept."""
+        if self._header is not None:
+            return
+        last = max((end for *_, end in header.tensors.values()), default=0)
+        if last > self.size:
+            raise self.bad(f"the header (as another rank read it) needs {last} bytes, the file has {self.size}")
+        self._header = header
+
     def _read_header(self) -> Header:
         if self.expected_size is not None and self.size != self.expected_size:
             raise self.bad(f"file has {self.size} bytes but index.json records {self.expected_size} (truncated or "
