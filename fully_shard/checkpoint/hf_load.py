@@ -271,6 +271,15 @@ class _Plan:
     def _read(self, r: _Read) -> None:
         f = self.dir.opened[r.file]
         try:
+            self._copy(f, r)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{f.where}: reading {r.key!r} failed ({type(e).__name__}: {e})") from e
+
+    @staticmethod
+    def _copy(f: DataFile, r: _Read) -> None:
+        with torch.no_grad():  # grad mode is per thread: the pool's threads start with it on
             if r.op == COPY and r.dtype == r.dst.dtype:
                 f.read_box(r.key, r.part, r.dst)  # straight into the shard when it is contiguous CPU memory
                 return
@@ -278,10 +287,6 @@ class _Plan:
             f.read_box(r.key, r.part, buf)
             src = buf.t() if r.op == TRANSPOSE else buf.unsqueeze(r.dim) if r.op == STACK else buf
             r.dst.copy_(src)
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"{f.where}: reading {r.key!r} failed ({type(e).__name__}: {e})") from e
 
 
 def load_hf(path: str | os.PathLike[str], model: nn.Module, *, key_map: KeyMap | RenameSpec = None,
