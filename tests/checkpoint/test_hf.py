@@ -26,8 +26,18 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fully_shard import fully_shard
-from fully_shard.checkpoint import CheckpointError, Fuse, KeyMap, Split, Stack, Transpose, load_hf, save_hf
-from fully_shard.checkpoint import hf_load, hf_save
+from fully_shard.checkpoint import (
+    CheckpointError,
+    Fuse,
+    KeyMap,
+    Split,
+    Stack,
+    Transpose,
+    hf_load,
+    hf_save,
+    load_hf,
+    save_hf,
+)
 from fully_shard.checkpoint.safetensors_io import DataFile
 from tests.distributed.harness import distributed
 
@@ -492,4 +502,4 @@ def test_max_shard_size_and_file_owners() -> None:
     files = hf_save._pack(groups, 25, 3)
     assert [len(f.groups) for f in files] == [2, 2, 2, 1]
     assert sorted({f.owner for f in files}) == [0, 1, 2]  # spread over ranks, not all on rank 0
-    assert [f.name for f in files][0] == "model-00001-of-00004.safetensors"
+    assert files[0].name == "model-00001-of-00004.safetensors"
