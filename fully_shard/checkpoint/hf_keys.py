@@ -289,6 +289,9 @@ class KeyMap:
                     target = pm.fill(m[0])
                     out.shapes[target] = (shape[1], shape[0])
                     out.links[target] = [Link(target, full_box(out.shapes[target]), name, full_box(shape), TRANSPOSE)]
+        for target in [t for t in out.links if t not in model]:  # a transform made a tensor the model lacks
+            out.unexpected += [link.hf for link in out.links.pop(target)]
+            del out.shapes[target]
         for name in hf:
             if name in used:
                 continue

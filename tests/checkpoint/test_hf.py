@@ -477,6 +477,9 @@ def test_key_map_errors() -> None:
     got = km.resolve_load({"q": (2, 3), "k": (2, 4), "e.0.w": (2,), "e.2.w": (2,)}, {"qkv": (4, 3), "w": (3, 2)})
     assert any("absent: ['v']" in p for p in got.problems), got.problems
     assert any("absent: ['e.1.w']" in p for p in got.problems), got.problems
+    # A transform that makes a tensor the model lacks: its sources are unexpected, not silently dropped.
+    got = km.resolve_load({"q": (2, 3), "k": (2, 3), "v": (2, 3), "x": (1,)}, {"x": (1,)})
+    assert got.unexpected == ["k", "q", "v"] and got.missing == [] and list(got.links) == ["x"], got
     # Save side: what cannot be inverted says how to fix it.
     with pytest.raises(CheckpointError, match="rename_inverse"):
         KeyMap(lambda n: n.removeprefix("model.")).resolve_save({"w": (2,)})
