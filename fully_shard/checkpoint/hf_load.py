@@ -15,8 +15,10 @@ design/hf-interop.md):
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import re
+import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -174,9 +176,18 @@ def _pieces(part: Box, itemsize: int) -> list[Box]:
     return out
 
 
-def scratch(sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+class Arena(threading.local):
+    """Each reading thread's conversion buffer, reused from piece to piece (fresh memory costs page faults)."""
+
+    buf: torch.Tensor | None = None
+
+
+def scratch(sizes: tuple[int, ...], dtype: torch.dtype, arena: Arena) -> torch.Tensor:
     """A buffer for one piece read in the file's dtype before conversion (the only memory a load allocates)."""
-    return torch.empty(sizes, dtype=dtype)
+    n = math.prod(sizes) * dtype.itemsize
+    if arena.buf is None or arena.buf.numel() < n:
+        arena.buf = torch.empty(max(n, min(_PIECE_BYTES, 1 << 20)), dtype=torch.uint8)
+    return arena.buf[:n].view(dtype).view(sizes)
 
 
 class _Plan:
@@ -259,31 +270,32 @@ class _Plan:
             self.dir.adopt(name, self.headers[name])
 
     def run(self, threads: int) -> None:
+        arena = Arena()
         with torch.no_grad():
             if threads <= 1 or len(self.reads) <= 1:
                 for r in self.reads:
-                    self._read(r)
+                    self._read(r, arena)
                 return
             with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="load_hf") as pool:
-                for future in [pool.submit(self._read, r) for r in self.reads]:
+                for future in [pool.submit(self._read, r, arena) for r in self.reads]:
                     future.result()
 
-    def _read(self, r: _Read) -> None:
+    def _read(self, r: _Read, arena: Arena) -> None:
         f = self.dir.opened[r.file]
         try:
-            self._copy(f, r)
+            self._copy(f, r, arena)
         except CheckpointError:
             raise
         except Exception as e:
             raise CheckpointError(f"{f.where}: reading {r.key!r} failed ({type(e).__name__}: {e})") from e
 
     @staticmethod
-    def _copy(f: DataFile, r: _Read) -> None:
+    def _copy(f: DataFile, r: _Read, arena: Arena) -> None:
         with torch.no_grad():  # grad mode is per thread: the pool's threads start with it on
             if r.op == COPY and r.dtype == r.dst.dtype:
                 f.read_box(r.key, r.part, r.dst)  # straight into the shard when it is contiguous CPU memory
                 return
-            buf = scratch(r.part.sizes, r.dtype)
+            buf = scratch(r.part.sizes, r.dtype, arena)
             f.read_box(r.key, r.part, buf)
             src = buf.t() if r.op == TRANSPOSE else buf.unsqueeze(r.dim) if r.op == STACK else buf
             r.dst.copy_(src)

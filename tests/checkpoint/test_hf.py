@@ -94,8 +94,8 @@ def _count_io() -> Iterator[dict[str, Any]]:
         finally:
             in_box.on = False
 
-    def counted_scratch(sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        out = scratch(sizes, dtype)
+    def counted_scratch(sizes: tuple[int, ...], dtype: torch.dtype, arena: Any) -> torch.Tensor:
+        out = scratch(sizes, dtype, arena)
         with lock:
             seen["scratch"] = max(seen["scratch"], out.numel() * out.element_size())
         return out
