@@ -104,6 +104,8 @@ def main() -> None:
         ours = model(ids).logits.float().cpu()
         reference = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids.cpu()).logits
     print(f"rank {rank}: loaded, max |logits - from_pretrained| = {(ours - reference).abs().max():.2e}", flush=True)
+    if (ours - reference).abs().max() > 1e-5:
+        raise SystemExit("load_hf does not reproduce from_pretrained's logits")
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own batch

@@ -186,7 +186,7 @@ def scratch(sizes: tuple[int, ...], dtype: torch.dtype, arena: Arena) -> torch.T
     """A buffer for one piece read in the file's dtype before conversion (the only memory a load allocates)."""
     n = math.prod(sizes) * dtype.itemsize
     if arena.buf is None or arena.buf.numel() < n:
-        arena.buf = torch.empty(max(n, min(_PIECE_BYTES, 1 << 20)), dtype=torch.uint8)
+        arena.buf = torch.empty(n, dtype=torch.uint8)  # grows to the largest piece, at most _PIECE_BYTES or a row
     return arena.buf[:n].view(dtype).view(sizes)
 
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.profiler import ProfilerActivity, profile
 
 from fully_shard import fully_shard
 from fully_shard.checkpoint import (
@@ -134,8 +135,9 @@ def _check_llama(tmp: str) -> None:
         ref = transformers.LlamaForCausalLM.from_pretrained(d, dtype=torch.float32)
         model = _sharded_llama(tie, dim)
         piece = 200 if file_dtype == torch.bfloat16 else hf_load._PIECE_BYTES  # small pieces: exercise the cutting
-        with _count_io() as io, mock.patch.object(hf_load, "_PIECE_BYTES", piece):
-            assert load_hf(d, model) == ([], [])
+        with _count_io() as io, mock.patch.object(hf_load, "_PIECE_BYTES", piece), \
+                profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            assert load_hf(d, model, threads=1 if dim == 1 else 4) == ([], [])  # 1: every allocation is seen
         with torch.no_grad():
             want, got = ref(IDS).logits, model(IDS).logits
         assert (got - want).abs().max().item() <= 1e-5, (name, dim, (got - want).abs().max())
@@ -147,6 +149,9 @@ def _check_llama(tmp: str) -> None:
         # Shard on read: exactly the bytes of this rank's blocks; conversion buffers far below any full tensor.
         assert io["read"] == _held_bytes(model, file_dtype.itemsize), (name, rank, io["read"])
         largest = max(t.numel() * file_dtype.itemsize for t in ref_sd.values())
+        if dim == 1:  # the profiler sees the main thread's allocations: the load ran there (threads=1)
+            allocations = sorted(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+            assert allocations and allocations[-1] < largest, (name, allocations[-5:], largest)
         if file_dtype == torch.bfloat16:
             assert 0 < io["scratch"] <= max(piece, 24 * file_dtype.itemsize) < largest, io["scratch"]
         else:
