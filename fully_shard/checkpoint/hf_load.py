@@ -30,7 +30,7 @@ import torch.nn as nn
 from .boxes import Box
 from .codec import ST_TO_TORCH
 from .comm import Comm
-from .errors import CheckpointError, format_diff
+from .errors import CheckpointError, format_diff, short
 from .hf_keys import COPY, STACK, TRANSPOSE, KeyMap, Link, RenameSpec
 from .safetensors_io import DataFile, Header, open_regular
 from .validate import loads_strict
@@ -130,9 +130,11 @@ class HFDirectory:
             lacking = sorted(listed - set(header.tensors))
             extra = sorted(set(header.tensors) - listed)
             if lacking or extra:
-                raise CheckpointError(f"{f.where}: {HF_INDEX} lists tensors {lacking[:5]} in this file, which lacks "
-                                      f"them; the file holds {extra[:5]}, which the index does not list for it; fix: "
-                                      "the directory mixes files of different saves: restore it")
+                found = [f"{HF_INDEX} lists {short(lacking)} in this file, which lacks them"] if lacking else []
+                found += [f"the file holds {short(extra)}, which the index does not list for it"] if extra else []
+                raise CheckpointError(f"{f.where}: expected the tensors {HF_INDEX} lists for this file, found: "
+                                      f"{'; '.join(found)}; fix: the directory mixes files of different saves: "
+                                      "restore it")
         return {k: [d, list(s), b, e] for k, (d, s, b, e) in header.tensors.items()}
 
     def adopt(self, name: str, header: Mapping[str, list[Any]]) -> DataFile:

@@ -167,6 +167,7 @@ def _check_llama(tmp: str) -> None:
     back = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
     for key, p in model.state_dict().items():
         assert torch.equal(_full(p), back.state_dict()[key]), key
+    assert not [n for n in os.listdir(out) if n.startswith(".")], os.listdir(out)  # no temporary file left
     # Saving again with one file replaces the shards and the index.
     assert save_hf(out, model) == ["model.safetensors"]
     dist.barrier()
@@ -468,6 +469,10 @@ def test_single_process_plain_model(tmp_path: Path) -> None:
     for f in (tmp_path / "m").glob("*.safetensors"):
         orig.update(load_file(str(f)))
     assert sorted(back) == sorted(orig) and all(torch.equal(back[k], orig[k]) for k in orig)  # tied: written once
+    (tmp_path / "file").write_text("precious")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        save_hf(tmp_path / "file", model)
+    assert (tmp_path / "file").read_text() == "precious"
 
 
 def test_key_map_errors() -> None:
