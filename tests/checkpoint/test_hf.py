@@ -305,7 +305,7 @@ def test_key_map_transforms(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------
-# 2-D meshes: TP-style placements (FSDP over TP's _StridedShard, Shard(1), Replicate).
+# 2-D meshes: TP-style placements (FSDP over TP's _StridedShard, Shard(1), Replicate), and a TP Llama.
 
 def _layouts_2d() -> list[tuple[str, tuple[int, ...], list[Any]]]:
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -332,6 +332,31 @@ def _two_d(tmp: str) -> None:
     dist.barrier()
     back = load_file(os.path.join(tmp, "2d-out", "model.safetensors"))
     assert sorted(back) == sorted(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+    # A tensor-parallel Llama: MLP colwise/rowwise over tp, fully_shard over dp (2-D DTensors, _StridedShard).
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(_config(False))
+    for layer in model.model.layers:
+        parallelize_module(layer.mlp, mesh["tp"], {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                                                   "down_proj": RowwiseParallel()})
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    placements = {tuple(p.placements) for n, p in model.named_parameters() if "mlp" in n}  # type: ignore[attr-defined]
+    assert len(placements) == 2 and all(len(p) == 2 for p in placements), placements
+    src = os.path.join(tmp, "bf16-untied")
+    load_hf(src, model)
+    ref = transformers.LlamaForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        assert (model(IDS).logits - ref(IDS).logits).abs().max().item() <= 1e-5
+    out = os.path.join(tmp, "tp-out")
+    save_hf(out, model, max_shard_size="20KB")
+    dist.barrier()
+    merged: dict[str, torch.Tensor] = {}
+    for name in os.listdir(out):
+        merged.update(load_file(os.path.join(out, name)) if name.endswith(".safetensors") else {})
+    assert sorted(merged) == sorted(ref.state_dict())
+    assert all(torch.equal(merged[k], v) for k, v in ref.state_dict().items())
 
 
 def test_two_d_mesh(tmp_path: Path) -> None:
@@ -339,6 +364,7 @@ def test_two_d_mesh(tmp_path: Path) -> None:
     os.makedirs(tmp_path / "2d")
     save_file({n: torch.randn(s, generator=g) for n, s, _ in _layouts_2d()}, str(tmp_path / "2d" / "model.safetensors"),
               metadata={"format": "pt"})
+    _write_llama(str(tmp_path / "bf16-untied"), tie=False, dtype=torch.bfloat16, shard_size="20KB")
     _two_d(str(tmp_path))
 
 
