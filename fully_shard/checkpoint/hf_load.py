@@ -248,9 +248,8 @@ class _Plan:
                 self._plan_view(v, resolved.links[chosen[v.name]])
         return HFLoadResult(sorted(missing), sorted(unexpected))
 
-    @staticmethod
-    def _sources(links: list[Link]) -> str:
-        names = [link.hf for link in links]
+    def _sources(self, links: list[Link]) -> str:
+        names = [f"{link.hf} in {self.where_key[link.hf]}" for link in links]
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
     def _plan_view(self, v: View, links: list[Link]) -> None:

@@ -416,7 +416,7 @@ BAD: dict[str, tuple[Callable[[str], object], list[str]]] = {
     "unexpected key": (lambda d: _edit_file(d, F1, lambda t: t.update({"model.extra.weight": torch.ones(2)})),
                        ["unexpected", "model.extra.weight", F1]),
     "shape mismatch": (lambda d: _edit_file(d, F1, lambda t: t.update({k: torch.ones(3, 3) for k in list(t)[:1]})),
-                       ["dtype/shape differs", "[3, 3]"]),
+                       ["dtype/shape differs", "[3, 3]", F1]),
     "dtype kind": (lambda d: _edit_file(d, F1, lambda t: t.update({k: v.long() for k, v in list(t.items())[:1]})),
                    ["I64", F1, "a different kind"]),
     "malformed header": (lambda d: _flip(os.path.join(d, F2), 8), [F2, "not valid JSON"]),
