@@ -4,7 +4,10 @@
 safetensors files plus a versioned JSON index with per-file xxh3 digests, committed atomically.
 ``load`` reshards onto whatever world size/mesh the model has now (or an unsharded module in a single
 process) after verifying the index, headers and digests on every rank. ``consolidate`` turns a checkpoint
-into Hugging Face-style ``model.safetensors`` files. See design/checkpoint-format.md.
+into Hugging Face-style ``model.safetensors`` files. ``load_hf`` reads a Hugging Face ``save_pretrained``
+directory into a sharded model, each rank reading only its blocks, and ``save_hf`` writes one back,
+through a ``KeyMap`` of renames and fused/stacked/split/transposed tensors. See design/checkpoint-format.md
+and design/hf-interop.md.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from __future__ import annotations
 from .consolidate import consolidate
 from .errors import CheckpointError
 from .format import FORMAT_VERSION
+from .hf_keys import Fuse, KeyMap, Split, Stack, Transpose
+from .hf_load import HFLoadResult, load_hf
+from .hf_save import save_hf
 from .reader import load
 from .state_dict import (
     get_model_state_dict,
@@ -24,12 +30,20 @@ from .writer import SaveHandle, save, wait_pending
 __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
+    "Fuse",
+    "HFLoadResult",
+    "KeyMap",
+    "Split",
+    "Stack",
+    "Transpose",
     "SaveHandle",
     "consolidate",
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "load",
+    "load_hf",
     "save",
+    "save_hf",
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "wait_pending",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 import sys
 from collections.abc import Mapping
@@ -37,6 +38,33 @@ def fsync_path(path: str, directory: bool = False) -> None:
         os.close(fd)
 
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def open_regular(name: str, *, dir_fd: int | None, where: str, fix: str) -> int:
+    """A read-only descriptor of ``name`` (relative to ``dir_fd``), refusing anything but a regular file.
+
+    Opened without blocking (a FIFO would otherwise block the open forever) and without following a
+    symbolic link; the kind is checked on the descriptor (fstat), so nothing can swap it in between.
+    FileNotFoundError propagates (callers word "missing" their own way); every other refusal is a
+    CheckpointError naming ``where`` and ending with ``fix``.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        link = "; it is a symbolic link" if os.path.islink(where) else ""
+        raise CheckpointError(f"{where}: cannot open ({e.strerror}{link}); fix: {fix}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = next((k for test, k in _KINDS if test(mode)), f"not a regular file (mode {oct(mode)})")
+        raise CheckpointError(f"{where}: expected a regular file, found {kind}; fix: {fix}")
+    os.set_blocking(fd, True)
+    return fd
 
 
 @dataclass(frozen=True)
@@ -128,21 +156,17 @@ class DataFile:
     generation of the directory even while a writer renames a newer one into place (section 6).
     """
 
-    def __init__(self, dir_fd: int, name: str, where: str, expected_size: int) -> None:
+    def __init__(self, dir_fd: int, name: str, where: str, expected_size: int | None) -> None:
+        """``expected_size``: the size index.json records (checked with the header); None: not known (HF files)."""
         self.name, self.where = name, where
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
-            self.fd = os.open(name, flags, dir_fd=dir_fd)
+            self.fd = open_regular(name, dir_fd=dir_fd, where=where,
+                                   fix="checkpoint data files are plain files inside the checkpoint directory")
         except FileNotFoundError:
             raise CheckpointError(f"{where}: file is missing (index.json lists it with {expected_size} bytes); fix: "
                                   "the checkpoint is incomplete, or it was replaced or deleted while loading (a "
                                   "concurrent save with keep_last?): restore the file, retry, or load an earlier "
                                   "checkpoint") from None
-        except OSError as e:
-            link = "; it is a symbolic link" if os.path.islink(where) else ""
-            raise CheckpointError(f"{where}: cannot open ({e.strerror}{link}); "
-                                  "fix: checkpoint data files are plain files inside the checkpoint "
-                                  "directory") from None
         self.size = os.fstat(self.fd).st_size
         self.expected_size = expected_size
         self._header: Header | None = None
@@ -173,8 +197,18 @@ class DataFile:
             self._header = self._read_header()
         return self._header
 
+    def adopt(self, header: Header) -> None:
+        """Use a header another rank read and validated (each file's header is parsed once per job); a header
+        this rank parsed itself is kept."""
+        if self._header is not None:
+            return
+        last = max((end for *_, end in header.tensors.values()), default=0)
+        if last > self.size:
+            raise self.bad(f"the header (as another rank read it) needs {last} bytes, the file has {self.size}")
+        self._header = header
+
     def _read_header(self) -> Header:
-        if self.size != self.expected_size:
+        if self.expected_size is not None and self.size != self.expected_size:
             raise self.bad(f"file has {self.size} bytes but index.json records {self.expected_size} (truncated or "
                            "replaced)")
         if self.size < 8:

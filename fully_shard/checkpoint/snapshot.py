@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from . import format as fmt
 from .commit import committed_sibling
 from .errors import CheckpointError, short
-from .safetensors_io import DataFile, TensorMeta
+from .safetensors_io import DataFile, TensorMeta, open_regular
 from .validate import loads_strict, parse_index
 
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
-_FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 class Vanished(CheckpointError):
@@ -62,12 +61,11 @@ class Snapshot:
     def _read_index(self) -> bytes:
         index_path = os.path.join(self.path, fmt.INDEX_FILE)
         try:
-            fd = os.open(fmt.INDEX_FILE, _FILE_FLAGS, dir_fd=self.dir_fd)
+            fd = open_regular(fmt.INDEX_FILE, dir_fd=self.dir_fd, where=index_path,
+                              fix="index.json must be a plain file inside the checkpoint directory (not a symbolic "
+                                  "link, directory or FIFO)")
         except FileNotFoundError:
             raise _not_a_checkpoint(self.path, sorted(os.listdir(self.dir_fd))) from None
-        except OSError as e:
-            raise CheckpointError(f"{index_path}: cannot open ({e.strerror}); fix: index.json must be a plain file "
-                                  "inside the checkpoint directory (not a symbolic link)") from None
         with os.fdopen(fd, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size > fmt.MAX_INDEX_BYTES:

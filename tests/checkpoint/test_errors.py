@@ -56,6 +56,12 @@ def _replace_with_file(d: str) -> None:
     Path(d).write_text("hi")
 
 
+def _replace(path: str, make: Callable[[str], object]) -> None:
+    """``path`` replaced by something that is not a regular file (os.mkfifo, os.mkdir)."""
+    os.remove(path)
+    make(path)
+
+
 def _chunk_file(doc: dict, name: str) -> None:
     doc["model"]["pos"]["chunks"][0]["file"] = name
     doc["files"][name] = doc["files"].pop("model-rank00000.safetensors")
@@ -120,6 +126,12 @@ CASES: dict[str, tuple[Callable[[str], object] | str | None, dict, dict, list[st
     "not a checkpoint (no directory)": (lambda d: shutil.rmtree(d), {}, {}, ["no such checkpoint"]),
     "not a checkpoint (a file)": (lambda d: _replace_with_file(d), {}, {}, ["is a file"]),
     "optimizer state absent": ("no-optim", {}, {}, ["has no optimizer state"]),
+    # Found by a fuzz: a FIFO made the open block forever; a directory gave an error naming no file.
+    "data file is a FIFO": (lambda d: _replace(os.path.join(d, M1), os.mkfifo), {}, {}, [M1, "FIFO"]),
+    "index.json is a FIFO": (lambda d: _replace(os.path.join(d, "index.json"), os.mkfifo), {}, {},
+                             ["index.json", "FIFO", "regular file"]),
+    "index.json is a directory": (lambda d: _replace(os.path.join(d, "index.json"), os.mkdir), {}, {},
+                                  ["index.json", "a directory", "regular file"]),
 }
 
 
