@@ -28,11 +28,12 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import SGD, Adam, AdamW, Optimizer
-from torch.optim.optimizer import (
-    _device_dtype_check_for_fused,
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+try:  # private (design/private-torch.md): without it, fused groups keep torch's own loop
+    from torch.optim.optimizer import _device_dtype_check_for_fused
+except ImportError:  # pragma: no cover - torch moved it
+    _device_dtype_check_for_fused = None  # type: ignore[assignment]
 
 from ..core.registry import OWNER_ATTR
 from . import lists
@@ -269,6 +270,8 @@ def _prepare_ready(cached: LocalGroup, cls: type[Optimizer], group: dict[str, An
     if keys is None:
         return
     if group.get("fused"):
+        if _device_dtype_check_for_fused is None:
+            return  # torch's loop runs its own check each step: correct, only slower
         for view in cached.views:  # what torch's _init_group checks on a fused group
             _device_dtype_check_for_fused(view)
     cached.ready_keys = keys

@@ -30,7 +30,10 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 # torch's own placement for "FSDP shards a dim that TP already sharded" (the dp chunks are taken of
 # each TP shard): only the private class exists; used here and nowhere else.
-from torch.distributed.tensor.placement_types import _StridedShard
+try:  # private (design/private-torch.md): needed only for TP/EP parameters whose FSDP dim is sharded by TP too
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - torch moved it
+    _StridedShard = None  # type: ignore[assignment,misc]
 
 from .mesh import MeshInfo, concatenate, concatenate_meshes, describe_mesh
 
@@ -164,11 +167,19 @@ def _fsdp_placement(shard_dim: int, ndim: int, later: list[tuple[int, Placement]
     for size, p in later:
         if _shard_dim_of(p) == shard_dim and ndim > 0:
             split *= size
-    return _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
+    if split == 1:
+        return Shard(shard_dim)
+    if _StridedShard is None:
+        raise NotImplementedError(
+            f"this parameter's FSDP dim {shard_dim} is also sharded by tensor parallel, which needs torch's "
+            "private _StridedShard placement; this torch has none at torch.distributed.tensor.placement_types. "
+            "Fix: use the torch this library was tested with (README), or shard the parameter on another dim "
+            "with shard_placement_fn.")
+    return _StridedShard(shard_dim, split_factor=split)
 
 
 def _shard_dim_of(p: Placement) -> int | None:
-    if isinstance(p, (Shard, _StridedShard)):
+    if isinstance(p, Shard) or (_StridedShard is not None and isinstance(p, _StridedShard)):
         return int(p.dim)
     return None
 

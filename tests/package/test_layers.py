@@ -119,3 +119,15 @@ def test_import_fully_shard_loads_no_tools() -> None:
     code = "import fully_shard; from fully_shard import checkpoint, profile, auto_wrap; print(checkpoint.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "fully_shard.checkpoint", out.stdout
+
+
+def test_import_survives_moved_private_torch_names() -> None:
+    """The private torch names imported at module level are guarded (design/private-torch.md): if torch
+    moves one, ``import fully_shard`` still works and only the feature that needs it says so."""
+    code = ("import torch.optim.optimizer as o, torch.distributed.tensor.placement_types as pt\n"
+            "del o._device_dtype_check_for_fused, pt._StridedShard\n"
+            "import fully_shard, fully_shard.parallel.spmd as spmd, fully_shard.optim.step as step\n"
+            "print(spmd._StridedShard, step._device_dtype_check_for_fused)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "None None", out.stdout
