@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..comm import collectives
 from .extension import InputSpec
 from .param import ShardedParam
 from .policy import MixedPrecisionPolicy
@@ -42,6 +43,7 @@ class GatherPlan:
         self.as_bytes = False
         self.dtype = self.param_dtype
         self.split: list[int] | None = None  # elements (or bytes) of each piece; None until the first unshard
+        self._agreed_inputs: dict[int, list[torch.Tensor] | str] | None = None  # the first unshard's, from agree()
         self.shard_units = 0  # elements (or bytes) of one rank's segment
 
     @classmethod
@@ -108,11 +110,20 @@ class GatherPlan:
             self._agree(inputs)
         return inputs
 
-    def copy_in(self, rank: int) -> torch.Tensor:
-        """Allocate the gathered buffer and write this rank's pieces into its segment: plain shards
-        cast to ``param_dtype``, extension inputs from their pre-hooks."""
-        inputs = self._inputs()
-        out = torch.empty(self.world * self.shard_units, dtype=self.dtype, device=self.device)
+    def agree(self) -> bool:
+        """First unshard only: run the pre-hooks and check every rank's layout (a control collective,
+        which the caller runs on the compute stream, not inside the copy-in stream). True when it ran."""
+        if self.split is not None:
+            return False
+        self._agreed_inputs = self._inputs()
+        return True
+
+    def copy_in(self, rank: int, *, alloc: Any = None) -> torch.Tensor:
+        """Allocate the gathered buffer (``alloc``: a custom comm's ``allocate``) and write this rank's
+        pieces into its segment: plain shards cast to ``param_dtype``, extension inputs from their
+        pre-hooks (the first unshard's came from ``agree``)."""
+        inputs, self._agreed_inputs = self._agreed_inputs or self._inputs(), None
+        out = collectives.allocate(alloc, self.world * self.shard_units, self.dtype, self.device)
         parts: list[torch.Tensor] = []
         for p in self.params:
             if p.extension is not None:
@@ -125,6 +136,7 @@ class GatherPlan:
             parts += [t.view(torch.uint8) for t in pieces] if self.as_bytes else pieces
         torch.cat(parts, out=out.narrow(0, rank * self.shard_units, self.shard_units))
         return out
+
     def copy_out(self, out: torch.Tensor) -> None:
         """Split the gathered rows into the plain parameters' unsharded storages and the extension
         parameters' outputs (one split), then run the post-hooks."""

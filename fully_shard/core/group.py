@@ -259,11 +259,13 @@ class ParamGroup:
         copy_in_stream = ctx.stream("all_gather_copy_in")
         # the shards may have just been updated by the optimizer on the compute stream
         ctx.order_copy_in(copy_in_stream)  # after the optimizer step (or set_post_optim_event's event)
+        if self.gather_plan is not None and self.gather_plan.agree():  # first unshard: on compute, then
+            ctx.wait_stream(copy_in_stream, ctx.current_stream())  # the copy-in reads the pre-hooks' inputs
         alloc = self.all_gather_comm.allocate if self.all_gather_comm is not None else None
         with ctx.on(copy_in_stream):
             ctx.release_all_gather_buffer()
             if self.gather_plan is not None:  # (never partial nor quantized: GatherPlan.of)
-                return self.gather_plan.copy_in(self.mesh_info.shard_rank)
+                return self.gather_plan.copy_in(self.mesh_info.shard_rank, alloc=alloc)
             if self.blocks is not None:  # (never partial: check_all_gather_policy)
                 return buffers.quantized_all_gather_copy_in(self.params, self.blocks, self.mesh_info.shard_rank,
                                                                 self.flat.world, self.device, alloc=alloc)

@@ -118,7 +118,9 @@ class ShardedParam:
             self.sharded_param = current
         self.requires_grad = self.sharded_param.requires_grad
         local = self.sharded_local
-        if not local.is_meta and local.device != self.storage_device:
+        unpinned = (self.pin_memory and local.device.type == "cpu" and torch.accelerator.is_available()
+                    and not local.is_pinned())  # e.g. model.to(dtype) made new, pageable host shards
+        if not local.is_meta and (local.device != self.storage_device or unpinned):
             # e.g. meta init + CPU offload: to_empty(device="cuda") put the shard on the device. Swap
             # in place so the Parameter object (which an optimizer may already hold) stays the same.
             host = local.detach().to(self.storage_device)

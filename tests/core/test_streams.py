@@ -204,3 +204,58 @@ def test_last_buffers_freed_at_the_end_of_forward_and_backward() -> None:
         assert r["violations"] == [], r["violations"]
         assert not r["gather_alive_after_forward"], r
         assert not r["reduce_input_alive_after_backward"], r
+
+
+class _CountingAllGather:
+    """torch's Comm protocol: every buffer from ``allocate`` (counted), the collective from c10d."""
+
+    def __init__(self) -> None:
+        self.allocations = 0
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        self.allocations += 1
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> Any:
+        return torch.distributed.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+@distributed(world_size=2)
+def _subclass_unit() -> dict[str, Any]:
+    from tests.core import subclass_weights as sw
+
+    torch.manual_seed(0)
+    ref = sw.int8_net()
+    x = torch.randn(4, 32)
+    comms: list[_CountingAllGather] = []
+
+    def run(model: nn.Module) -> list[float]:
+        for layer in model.layers:  # type: ignore[attr-defined]
+            fully_shard(layer)
+            comms.append(_CountingAllGather())
+            layer.set_custom_all_gather(comms[-1])
+        fully_shard(model)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        losses = []
+        for _ in range(2):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    cpu_losses = run(copy.deepcopy(ref))
+    with StreamStandIn() as device, streams.stand_in(device):
+        losses = run(copy.deepcopy(ref))
+        gc.collect()
+    return {"violations": device.violations, "losses": losses, "cpu_losses": cpu_losses,
+            "allocations": [c.allocations for c in comms]}
+
+
+def test_tensor_subclass_unit_and_its_custom_all_gather_buffers() -> None:
+    results = _subclass_unit()
+    _assert_clean(results)
+    for r in results:  # every gathered buffer of the extension units came from the comm's allocate
+        assert all(n >= 4 for n in r["allocations"]), r["allocations"]  # 2 steps x (forward + backward)
