@@ -115,15 +115,15 @@ def track(params: Iterable[_Sharded], replaced: Iterable[torch.Tensor]) -> None:
     """Register a fully_shard unit's ShardedParams and the original parameters they replaced; install
     the global step hook once."""
     global _installed, _epoch
-    with _track_lock:
+    with _track_lock:  # thread-ranks (threaded process groups) call fully_shard at once: one hook, one count
         _tracked.update(params)
-    _epoch += 1
+        _epoch += 1
+        if not _installed:
+            register_optimizer_step_pre_hook(_pre_step)
+            register_optimizer_step_post_hook(_post_step)
+            _installed = True
     for p in replaced:
         setattr(p, _REPLACED_ATTR, getattr(p, OWNER_ATTR, None) or "a fully_shard unit")
-    if not _installed:
-        register_optimizer_step_pre_hook(_pre_step)
-        register_optimizer_step_post_hook(_post_step)
-        _installed = True
 
 
 # --- which param groups may go local: the state each supported optimizer keeps -------------------
@@ -151,6 +151,8 @@ _STATE_KEYS: dict[type[Optimizer], Callable[[dict[str, Any]], frozenset[str] | N
 # --- the hook -------------------------------------------------------------------------------------
 def _pre_step(optimizer: Optimizer, args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    if torch.compiler.is_compiling():
+        return None  # torch.compile(optimizer.step): Dynamo traces torch's own step over the DTensors
     _drop_local_grads()  # left by a step that raised
     plan = _plans.get(optimizer)
     if plan is None or plan.epoch != _epoch or plan.groups_seen != len(optimizer.param_groups):

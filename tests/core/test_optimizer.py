@@ -425,3 +425,73 @@ def _checkpoints(path: str) -> None:
 
 def test_state_dict_dcp_and_checkpoint_round_trip(tmp_path: Any) -> None:
     _checkpoints(str(tmp_path / "ckpt"))
+
+
+# --- the fast path's guards: an unknown _init_group, GradScaler, torch.compile(optimizer.step) ------
+@distributed(world_size=2)
+def _unknown_init_group_source() -> None:
+    from fully_shard.optim import lists
+
+    saved = dict(lists.KNOWN_SOURCES)
+    lists._classes.clear()
+    try:
+        for cls in list(lists.KNOWN_SOURCES):  # as if torch had changed _init_group's body
+            lists.KNOWN_SOURCES[cls] = frozenset({"0" * 16})
+        pair = twins(make_optimizer("adamw", "foreach"))
+        ready = record_ready(pair[0][1])
+        fast_paths, _ = lockstep(pair, steps=3)
+    finally:
+        lists.KNOWN_SOURCES.update(saved)
+        lists._classes.clear()
+    assert ready == [0, 0, 0], ready  # never the ready lists: torch's own loop over the views' .grad
+    assert fast_paths == ["dtensor", "local", "local"], fast_paths
+
+
+def test_unknown_init_group_source_falls_back_to_torchs_loop() -> None:
+    _unknown_init_group_source()
+
+
+def test_known_init_group_sources_are_this_torchs() -> None:
+    from fully_shard.optim import lists
+
+    for cls in lists.KNOWN_SOURCES:  # a new torch: add its hash after checking the body (lists.py)
+        assert lists.source_hash(cls) in lists.KNOWN_SOURCES[cls], (cls.__name__, lists.source_hash(cls))
+
+
+@distributed(world_size=2)
+def _grad_scaler() -> None:
+    pair = twins(make_optimizer("adamw", "foreach"))
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**4), torch.amp.GradScaler("cpu", init_scale=2.0**4)]
+    (fast, fast_opt), (slow, slow_opt) = pair
+    fast_paths = record_paths(fast_opt)
+    for x, y in batches(3):
+        for (model, opt), scaler, path in zip(pair, scalers, (StepPath.LOCAL, StepPath.DTENSOR)):
+            scaler.scale(loss_fn(model(local_slice(x)), local_slice(y))).backward()
+            on_path(path, lambda s=scaler, o=opt: (s.step(o), s.update(), o.zero_grad()))  # type: ignore[misc]
+    assert_bitwise(fast, fast_opt, slow, slow_opt)
+    assert fast_paths == ["dtensor", "local", "local"], fast_paths
+
+
+def test_grad_scaler_steps_the_local_shards_bitwise() -> None:
+    _grad_scaler()
+
+
+@distributed(world_size=2)
+def _compiled_step() -> None:
+    """torch.compile(optimizer.step) (Dynamo tracing torch's step; the eager backend keeps it quick):
+    the hook leaves the step to torch over the DTensors, equal to the same compiled step on that path."""
+    pair = twins(make_optimizer("adamw", "foreach"))
+    (fast, fast_opt), (slow, slow_opt) = pair
+    fast_step = torch.compile(fast_opt.step, backend="eager")
+    slow_step = torch.compile(slow_opt.step, backend="eager")
+    for x, y in batches(3):
+        for model, opt, step, path in ((fast, fast_opt, fast_step, StepPath.LOCAL),
+                                       (slow, slow_opt, slow_step, StepPath.DTENSOR)):
+            backward(model, x, y)
+            on_path(path, step)
+            opt.zero_grad()
+    assert_bitwise(fast, fast_opt, slow, slow_opt)
+
+
+def test_compiled_optimizer_step_takes_the_dtensor_path() -> None:
+    _compiled_step()
