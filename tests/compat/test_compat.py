@@ -189,12 +189,13 @@ def test_torchtitan_chunked_loss_through_torch_imports(group_raf: bool) -> None:
 @distributed(world_size=2)
 def _torch_records() -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
-    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 
     if TORCH_NO_PLACEMENT_RESULT:  # torch 2.11's shard_placement_fn returns the placement itself
         ShardPlacementResult: Any = lambda placement, mesh_info: placement  # noqa: E731
+        _get_mesh_info: Any = lambda mesh: None  # noqa: E731 (torch 2.10 has no such function either)
     else:
         from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+        from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 
     assert not compat.is_patched()
     torch_mp = TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # made before patching
