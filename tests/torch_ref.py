@@ -33,7 +33,7 @@ def lacks_method(name: str) -> str | None:
 
 def fails_before(fixed: tuple[int, int], what: str) -> str | None:
     """Why torch's fully_shard cannot run ``what`` on this torch (each such run was seen failing on
-    torch 2.11 and 2.12 and passing on ``fixed``), else None."""
+    torch 2.12, and on 2.11 where it has the feature at all, and passing on ``fixed``), else None."""
     if torch_version >= fixed:
         return None
     return f"torch {torch.__version__}'s fully_shard fails {what} (works on torch {fixed[0]}.{fixed[1]}): {_SKIPPED}"
