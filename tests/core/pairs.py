@@ -57,11 +57,12 @@ def shard_decoder(model: Decoder, shard: Shard, *, group_raf: bool = True, **kwa
     return model
 
 
-def decoder_pair(**kwargs: Any) -> tuple[Decoder, dict[str, Decoder]]:
-    """An unsharded reference and the same weights sharded by each library (``LIBS``)."""
+def decoder_pair(libs: dict[str, Callable[[], Shard]] | None = None,
+                 **kwargs: Any) -> tuple[Decoder, dict[str, Decoder]]:
+    """An unsharded reference and the same weights sharded by each library (``libs``, default ``LIBS``)."""
     torch.manual_seed(0)
     ref = Decoder()
-    return ref, {lib: shard_decoder(copy.deepcopy(ref), make(), **kwargs) for lib, make in LIBS.items()}
+    return ref, {lib: shard_decoder(copy.deepcopy(ref), make(), **kwargs) for lib, make in (libs or LIBS).items()}
 
 
 def tokens(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,8 +27,20 @@ from tests.core.pairs import (
 )
 from tests.distributed.counting import CountCollectives
 from tests.distributed.harness import distributed
+from tests.torch_ref import fails_before
 
 TOL = 1e-6
+# torch's own grouped units before 2.13: runs it fails (this library is still checked on them)
+TORCH_NO_MEMBER_CAST = fails_before((2, 13), "to cast each grouped member's inputs (mat1 and mat2 dtypes differ)")
+TORCH_NO_TITAN_CHUNKS = fails_before((2, 13), "torchtitan's chunked loss on a grouped unit (backward reads a "
+                                               "freed parameter: 'data is not allocated yet')")
+TORCH_NO_CHUNKED_ACCUMULATION = fails_before((2, 13), "accumulation over chunked partial forwards of a grouped "
+                                                       "unit ('got mixed torch.Tensor and DTensor')")
+
+
+def libs(torch_gap: str | None) -> dict[str, Any]:
+    """``LIBS`` less torch's fully_shard where it cannot serve as the reference."""
+    return {"ours": LIBS["ours"]} if torch_gap else LIBS
 
 
 # --- cast_forward_inputs on every member -----------------------------------------------------------
@@ -47,10 +59,11 @@ def _cast_each_member() -> dict[str, Any]:
     torch.manual_seed(0)
     base = TwoStage()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    x = rank_rows(torch.randn(4, 3, DIM))
+    full_x = torch.randn(4, 3, DIM)
+    x = rank_rows(full_x)
     seen: dict[str, list[torch.dtype]] = {}
     got = {}
-    for lib, make in LIBS.items():
+    for lib, make in libs(TORCH_NO_MEMBER_CAST).items():
         model = copy.deepcopy(base)
         make()([model.a, model.b], mp_policy=policy)
         make()(model, mp_policy=policy)
@@ -61,14 +74,24 @@ def _cast_each_member() -> dict[str, Any]:
         out.float().pow(2).mean().backward()
         got[lib] = grads(model)
         seen[lib].append(out.dtype)
-    assert seen["ours"] == seen["torch"] == [torch.bfloat16] * 3, seen
+    assert seen["ours"] == [torch.bfloat16] * 3, seen
+    # the unsharded fp32 model: within bf16's precision
+    want = reference_grads(base, base(full_x).pow(2).sum() / out.numel())
+    scale = max(g.abs().max().item() for g in want.values() if g is not None)
+    ref_diff = max_diff(got["ours"], want) / scale
+    assert ref_diff < 2e-2, ref_diff
+    if "torch" not in got:
+        return {"ref_rel_diff": ref_diff}
+    assert seen["torch"] == seen["ours"], seen
     diff = max_diff(got["ours"], got["torch"])
     assert diff < TOL, diff
-    return {"grad_diff": diff}
+    return {"grad_diff": diff, "ref_rel_diff": ref_diff}
 
 
 def test_cast_forward_inputs_applies_to_each_member() -> None:
     _cast_each_member()
+    if TORCH_NO_MEMBER_CAST:
+        pytest.skip(TORCH_NO_MEMBER_CAST)
 
 
 # --- a model forward that skips the head, then the head on its own per chunk ------------------------
@@ -145,10 +168,11 @@ def titan_chunked_loss(model: Decoder, x: torch.Tensor, y: torch.Tensor, n_chunk
 
 @distributed(world_size=2)
 def _titan_chunked(group_raf: bool, steps: int = 4) -> dict[str, Any]:
-    ref, pair = decoder_pair(group_raf=group_raf)
+    ref, pair = decoder_pair(group_raf=group_raf, libs=libs(TORCH_NO_TITAN_CHUNKS))
     opts = {lib: torch.optim.AdamW(m.parameters(), lr=1e-2) for lib, m in pair.items()}
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    worst = {"ref": 0.0, "torch": 0.0, "loss": 0.0, "loss_ref": 0.0}
+    worst = {"ref": 0.0, "loss_ref": 0.0} if TORCH_NO_TITAN_CHUNKS else {"ref": 0.0, "torch": 0.0, "loss": 0.0,
+                                                                         "loss_ref": 0.0}
     counts: dict[str, list[dict[str, int]]] = {lib: [] for lib in pair}
     for step in range(steps):
         x, y = tokens(4, seed=10 + step)
@@ -164,10 +188,13 @@ def _titan_chunked(group_raf: bool, steps: int = 4) -> dict[str, Any]:
         want = reference_grads(ref, ref_loss)
         ref_opt.step()
         worst["ref"] = max(worst["ref"], max_diff(got["ours"], want))
-        worst["torch"] = max(worst["torch"], max_diff(got["ours"], got["torch"]))
-        worst["loss"] = max(worst["loss"], abs(losses["ours"] - losses["torch"]))
         worst["loss_ref"] = max(worst["loss_ref"], _rel(losses["ours"], ref_loss.item()))
+        if "torch" in pair:
+            worst["torch"] = max(worst["torch"], max_diff(got["ours"], got["torch"]))
+            worst["loss"] = max(worst["loss"], abs(losses["ours"] - losses["torch"]))
     assert max(worst.values()) < TOL, worst
+    if "torch" not in pair:
+        return {**worst, "counts": counts["ours"][-1]}
     # From step 2 on (step 1 carries the lazy-init checks), the same collectives as torch.
     assert counts["ours"][1:] == counts["torch"][1:], counts
     return {**worst, "counts": counts["ours"][-1]}
@@ -176,13 +203,17 @@ def _titan_chunked(group_raf: bool, steps: int = 4) -> dict[str, Any]:
 @pytest.mark.parametrize("group_raf", [True, False])
 def test_torchtitan_chunked_loss_matches_unchunked(group_raf: bool) -> None:
     _titan_chunked(group_raf)
+    if TORCH_NO_TITAN_CHUNKS:
+        pytest.skip(TORCH_NO_TITAN_CHUNKS)
 
 
 # --- a member no rank runs keeps grad None; two partial forwards; accumulation over chunks ----------
 
 def _within_tol(got: dict[str, Any], want: dict[str, Any]) -> dict[str, float]:
-    """Our grads against torch's and the unsharded reference's; both within TOL."""
-    diffs = {"torch": max_diff(got["ours"], got["torch"]), "ref": max_diff(got["ours"], want)}
+    """Our grads against the unsharded reference's and torch's (where it ran); within TOL."""
+    diffs = {"ref": max_diff(got["ours"], want)}
+    if "torch" in got:
+        diffs["torch"] = max_diff(got["ours"], got["torch"])
     assert max(diffs.values()) < TOL, diffs
     return diffs
 
@@ -227,7 +258,7 @@ def test_double_partial_forward_then_backward() -> None:
 
 @distributed(world_size=2)
 def _accumulate_chunked(n_micro: int = 3, n_chunks: int = 2) -> dict[str, float]:
-    ref, pair = decoder_pair()
+    ref, pair = decoder_pair(libs=libs(TORCH_NO_CHUNKED_ACCUMULATION))
     micro = [tokens(4, seed=20 + i) for i in range(n_micro)]
     got = {}
     for lib, model in pair.items():
@@ -245,32 +276,41 @@ def _accumulate_chunked(n_micro: int = 3, n_chunks: int = 2) -> dict[str, float]
 
 def test_gradient_accumulation_over_chunked_partial_forwards() -> None:
     _accumulate_chunked()
+    if TORCH_NO_CHUNKED_ACCUMULATION:
+        pytest.skip(TORCH_NO_CHUNKED_ACCUMULATION)
 
 
 # --- a fine-tuned head over a frozen trunk: each chunk its own backward, the step right after -------
 @distributed(world_size=2)
 def _frozen_trunk_chunks(steps: int = 3) -> dict[str, float]:
-    ref, pair = decoder_pair()
-    for model in pair.values():
+    ref, pair = decoder_pair(libs=libs(TORCH_NO_TITAN_CHUNKS))
+    models = {"ref": ref, **pair}
+    for model in models.values():
         for name, p in model.named_parameters():
             p.requires_grad_(name.startswith(("norm", "head")))
-    opts = {lib: torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
-            for lib, m in pair.items()}
-    worst = 0.0
+    opts = {lib: torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for lib, m in models.items()}
+    world = torch.distributed.get_world_size()
+    worst = {"ref": 0.0, "torch": 0.0}
     for step in range(steps):
         x, y = tokens(4, seed=step)
-        for lib, model in pair.items():
-            h = model(rank_rows(x), skip_head=True).detach()
-            for hc, yc in _chunks_of(h, rank_rows(y), 4):  # torchtitan's chunks: leaves requiring grad
-                loss = ce_sum(model.head(hc.detach().requires_grad_()), yc) / y.numel()
+        for lib, model in models.items():
+            rows, labels, scale = (x, y, world) if lib == "ref" else (rank_rows(x), rank_rows(y), 1)
+            h = model(rows, skip_head=True).detach()
+            for hc, yc in _chunks_of(h, labels, 4):  # torchtitan's chunks: leaves requiring grad
+                loss = ce_sum(model.head(hc.detach().requires_grad_()), yc) / y.numel() / scale
                 loss.backward()  # each backward ends in the head's unit, inside its open pass
             opts[lib].step()
             opts[lib].zero_grad()
-        params = {lib: {n: full(p.detach()) for n, p in m.named_parameters()} for lib, m in pair.items()}
-        worst = max(worst, max((params["ours"][n] - params["torch"][n]).abs().max().item() for n in params["ours"]))
-    return {"param_diff": worst}
+        params = {lib: {n: full(p.detach()) for n, p in m.named_parameters()} for lib, m in models.items()}
+        for other in ("ref", "torch"):
+            if other in params:
+                worst[other] = max(worst[other], max((params["ours"][n] - params[other][n]).abs().max().item()
+                                                     for n in params["ours"]))
+    return worst
 
 
 def test_every_backward_leaves_complete_gradients_when_it_ends_in_a_grouped_member() -> None:
-    for r in _frozen_trunk_chunks():
-        assert r["param_diff"] < TOL, r
+    for r in _frozen_trunk_chunks():  # against the unsharded model, and torch's fully_shard where it can
+        assert r["ref"] < TOL and r["torch"] < TOL, r
+    if TORCH_NO_TITAN_CHUNKS:
+        pytest.skip(TORCH_NO_TITAN_CHUNKS)

@@ -17,6 +17,9 @@ from tests.core.common import local_slice
 from tests.core.test_surface import _AllGather, _build, _close, _double, _torch_fs, _train
 from tests.distributed.harness import distributed
 from tests.models import TinyGPT, batches, loss_fn
+from tests.torch_ref import lacks_method
+
+TORCH_NO_RESET = lacks_method("reset_iter_state")
 
 
 # --- reset_iter_state ------------------------------------------------------------------------------------
@@ -64,7 +67,9 @@ def _recover(fs: Any, where: str | None) -> dict[str, Any]:
 def _reset() -> dict[str, Any]:
     out = {"clean": _recover(fully_shard, None)}
     for where in ("forward", "backward_start", "backward_mid"):
-        out[where] = {"ours": _recover(fully_shard, where), "torch": _recover(_torch_fs(), where)}
+        out[where] = {"ours": _recover(fully_shard, where)}
+        if not TORCH_NO_RESET:
+            out[where]["torch"] = _recover(_torch_fs(), where)
     model = _build(fully_shard)
     _train(model, None, steps=1)
     with pytest.raises(RuntimeError, match="root"):
@@ -76,10 +81,12 @@ def test_reset_iter_state_after_an_exception() -> None:
     for r in _reset():
         clean = r["clean"]
         for where in ("forward", "backward_start", "backward_mid"):
-            ours, theirs = r[where]["ours"], r[where]["torch"]
+            ours, theirs = r[where]["ours"], r[where].get("torch")
             assert set(ours["names"]) == {"SHARDED"}, (where, ours["names"])
             assert ours["after"] == pytest.approx(clean["after"], abs=1e-6), (where, ours["after"], clean)
             _close(ours["grads"], clean["grads"])
+            if theirs is None:
+                continue
             if where == "backward_mid":
                 # torch 2.13 keeps the failed backward's unsharded grads of the units that had run
                 # (the root's norm and head): its next step's grads carry them (measured: up to 0.097 off).
@@ -88,6 +95,8 @@ def test_reset_iter_state_after_an_exception() -> None:
                 continue
             assert ours["after"] == pytest.approx(theirs["after"], abs=1e-6), (where, theirs["after"])
             _close(ours["grads"], theirs["grads"])
+    if TORCH_NO_RESET:
+        pytest.skip(TORCH_NO_RESET)
 
 
 # --- share_comm_ctx ---------------------------------------------------------------------------------------
@@ -209,5 +218,9 @@ def test_post_optim_event_and_calls_that_cannot_act_on_gloo() -> None:
 def test_every_torch_fsdp_module_method_exists() -> None:
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
     names = {n for n in vars(TorchFSDPModule) if not n.startswith("_") and callable(getattr(TorchFSDPModule, n))}
-    assert {"set_gradient_divide_factor", "reset_iter_state", "set_symm_mem_for_comm"} <= names
     assert sorted(n for n in names if not hasattr(FSDPModule, n)) == []
+    newer = {"set_gradient_divide_factor", "reset_iter_state", "set_symm_mem_for_comm"}  # torch 2.13's
+    assert sorted(n for n in newer if not callable(getattr(FSDPModule, n, None))) == []
+    if not newer <= names:  # an older torch: its surface is covered, torch 2.13's is not listed here
+        pytest.skip(f"torch {torch.__version__}'s FSDPModule lacks {sorted(newer - names)} (torch 2.13's has): ours "
+                    "was compared with this torch's methods only")

@@ -24,13 +24,20 @@ from tests.core.pairs import (
     grads,
     max_diff,
     rank_rows,
+    reference_grads,
     shard_decoder,
     tokens,
 )
 from tests.distributed.counting import CountCollectives
 from tests.distributed.harness import distributed
+from tests.torch_ref import fails_before
 
 TOL = 1e-6
+# torch's fully_shard before 2.13: runs it fails (this library is still checked on them)
+TORCH_NO_RECOMPUTE_CAST = fails_before((2, 13), "non-reentrant checkpoint recompute under mp_policy (the "
+                                                 "recompute's inputs are not cast: mat1 and mat2 dtypes differ)")
+TORCH_NO_FUNCTORCH = fails_before((2, 13), "torch.func transforms through a unit ('Cannot access storage of "
+                                            "TensorWrapper')")
 
 
 # --- register_post_accumulate_grad_hook: optimizer-in-backward ---------------------------------------
@@ -127,7 +134,8 @@ def _checkpoint_dtypes(use_reentrant: bool) -> dict[str, Any]:
                                   output_dtype=torch.float32)
     x, y = tokens(4, seed=40)
     got, seen, losses = {}, {}, {}
-    for lib, make in LIBS.items():
+    skip_torch = TORCH_NO_RECOMPUTE_CAST and not use_reentrant
+    for lib, make in LIBS.items() if not skip_torch else [("ours", LIBS["ours"])]:
         model = copy.deepcopy(base)
         for blk in model.blocks:
             make()(blk, mp_policy=policy)
@@ -143,6 +151,16 @@ def _checkpoint_dtypes(use_reentrant: bool) -> dict[str, Any]:
     assert forward == [(f"blocks.{i}.{k}", torch.bfloat16 if k == "in" else torch.float32)
                        for i in range(2) for k in ("in", "out")], forward
     assert recompute == forward[2:] + forward[:2], (forward, recompute)  # the same dtypes, blocks reversed
+    if skip_torch:  # the same sharded model without checkpointing: the same bf16 computation
+        model = Decoder()
+        model.load_state_dict(base.state_dict())
+        for blk in model.blocks:
+            LIBS["ours"]()(blk, mp_policy=policy)
+        LIBS["ours"]()(model)
+        (ce_sum(model(rank_rows(x)), rank_rows(y)) / rank_rows(y).numel()).backward()
+        diffs = {"grad_vs_no_checkpoint": max_diff(got["ours"], grads(model))}
+        assert max(diffs.values()) < TOL, diffs
+        return diffs
     assert seen["ours"] == seen["torch"], seen
     diffs = {"grad": max_diff(got["ours"], got["torch"]), "loss": abs(losses["ours"] - losses["torch"])}
     assert max(diffs.values()) < TOL, diffs
@@ -152,6 +170,8 @@ def _checkpoint_dtypes(use_reentrant: bool) -> dict[str, Any]:
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_checkpoint_recompute_sees_forward_dtypes(use_reentrant: bool) -> None:
     _checkpoint_dtypes(use_reentrant)
+    if TORCH_NO_RECOMPUTE_CAST and not use_reentrant:
+        pytest.skip(TORCH_NO_RECOMPUTE_CAST)
 
 
 # --- torch.func transforms through units -------------------------------------------------------------
@@ -179,7 +199,7 @@ def _functorch(raf: bool, bf16: bool) -> dict[str, float]:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     x, t = torch.randn(3, 8), torch.randn(3, 8)
     results, train_grads = {}, {}
-    for lib, make in LIBS.items():
+    for lib, make in LIBS.items() if not TORCH_NO_FUNCTORCH else [("ours", LIBS["ours"])]:
         model = copy.deepcopy(base)
         make()(model[0], **kwargs)
         make()(model[2], **kwargs)
@@ -192,6 +212,14 @@ def _functorch(raf: bool, bf16: bool) -> dict[str, float]:
         plain = _transforms(base, x, t)
         for name, want in plain.items():
             assert torch.allclose(results["ours"][name], want, atol=1e-5), name
+    if TORCH_NO_FUNCTORCH:  # the training step after the transforms against the unsharded model
+        ref = copy.deepcopy(base).to(torch.bfloat16 if bf16 else torch.float32)  # param_dtype's computation
+        rows = x[:2]  # the rows rank_rows hands the 2 ranks (one each)
+        want = reference_grads(ref, ref(rows.to(ref[0].weight.dtype)).float().pow(2).sum())
+        scale = max(g.abs().max().item() for g in want.values() if g is not None)
+        grad_diff = max_diff(train_grads["ours"], want) / scale  # relative: bf16 reduces in bf16
+        assert grad_diff < (2e-2 if bf16 else TOL), grad_diff
+        return {"grad_vs_ref": grad_diff}
     worst = max(max_diff({k: v.float()}, {k: results["torch"][k].float()}) for k, v in results["ours"].items())
     grad_diff = max_diff(train_grads["ours"], train_grads["torch"])
     assert worst < TOL and grad_diff < TOL, (worst, grad_diff)
@@ -201,3 +229,5 @@ def _functorch(raf: bool, bf16: bool) -> dict[str, float]:
 @pytest.mark.parametrize(("raf", "bf16"), [(False, False), (False, True), (True, False)])
 def test_functorch_transforms_through_units(raf: bool, bf16: bool) -> None:
     _functorch(raf, bf16)
+    if TORCH_NO_FUNCTORCH:
+        pytest.skip(TORCH_NO_FUNCTORCH)

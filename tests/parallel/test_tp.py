@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -33,9 +34,11 @@ from tests.parallel.tp_common import (
     spmd_reference_forward,
     tensor_parallel,
 )
+from tests.torch_ref import lacks_name
 
 STEPS = 5
 TIMEOUT_S = 300  # each rank function takes ~5-20 s on an idle machine; DTensor dispatch slows ~10x under load
+TORCH_NO_DP_DIMS = lacks_name("torch.distributed.fsdp", "DataParallelMeshDims")
 
 
 def _torch_fully_shard() -> Any:
@@ -357,15 +360,19 @@ def test_bad_inputs_raise_on_every_rank() -> None:
 # --- dp_mesh_dims (parameters on the full mesh) and 0-dim TP parameters -----------------------------
 @distributed(world_size=4, timeout=TIMEOUT_S)
 def _spmd() -> dict[str, Any]:
-    from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
-
     mesh = mesh_2d()
     out: dict[str, Any] = {}
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randn(8, DIM, generator=g), torch.randn(8, DIM, generator=g)) for _ in range(3)]
+    # torch before 2.13 has no dp_mesh_dims: its side is a second copy of ours, compared only with ours
     ours, theirs, ref = SpmdMLP(mesh), SpmdMLP(mesh), spmd_reference()
     fully_shard(ours, mesh=mesh, dp_mesh_dims=_dims(shard="dp"))
-    _torch_fully_shard()(theirs, mesh=mesh, dp_mesh_dims=TorchDims(shard="dp"))
+    if TORCH_NO_DP_DIMS:
+        fully_shard(theirs, mesh=mesh, dp_mesh_dims=_dims(shard="dp"))
+    else:
+        from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
+
+        _torch_fully_shard()(theirs, mesh=mesh, dp_mesh_dims=TorchDims(shard="dp"))
     out["layout"], out["torch_layout"] = _layout(ours), _layout(theirs)
     out["init_diff"] = _local_diff(ours, theirs)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs, ref)]
@@ -382,7 +389,9 @@ def _spmd() -> dict[str, Any]:
     out["final_diff"] = _local_diff(ours, theirs)
     # HSDP through dp_mesh_dims: replicate over 'dp', shard over 'tp' (no model parallel dim at all)
     hsdp = []
-    for fs, dims in ((fully_shard, _dims(shard="tp", replicate="dp")), (_torch_fully_shard(), TorchDims("tp", "dp"))):
+    theirs_hsdp = (fully_shard, _dims(shard="tp", replicate="dp")) if TORCH_NO_DP_DIMS else \
+        (_torch_fully_shard(), TorchDims("tp", "dp"))
+    for fs, dims in ((fully_shard, _dims(shard="tp", replicate="dp")), theirs_hsdp):
         torch.manual_seed(2)
         lin = distribute_module(nn.Linear(DIM, 6), mesh)  # every parameter Replicate() on both dims
         fs(lin, mesh=mesh, dp_mesh_dims=dims)
@@ -410,7 +419,7 @@ def _spmd() -> dict[str, Any]:
         out["hsdp_losses"].append((*(mean / 4).tolist(), losses[2].item()))
     # torch's DataParallelMeshDims object is accepted as is
     other = SpmdMLP(mesh)
-    fully_shard(other, mesh=mesh, dp_mesh_dims=TorchDims(shard="dp"))
+    fully_shard(other, mesh=mesh, dp_mesh_dims=_dims(shard="dp") if TORCH_NO_DP_DIMS else TorchDims(shard="dp"))
     out["torch_dims_layout"] = _layout(other)
     return out
 
@@ -453,3 +462,5 @@ def test_dp_mesh_dims_and_zero_dim_tp_params() -> None:
         for ours, ref in r["gate_losses"]:
             assert abs(ours - ref) < 2e-5, r["gate_losses"]
         assert r["gate_diff"] < 1e-4, r
+    if TORCH_NO_DP_DIMS:
+        pytest.skip(TORCH_NO_DP_DIMS)
