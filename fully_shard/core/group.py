@@ -66,7 +66,8 @@ class ParamGroup:
 
     def __init__(self, params: list[ShardedParam], fqn: str, mesh_info: MeshInfo, device: torch.device,
                  mp_policy: MixedPrecisionPolicy, subgroup: SubgroupInfo | None, *,
-                 all_gather_policy: AllGatherPolicy = AllGatherPolicy()) -> None:
+                 all_gather_policy: AllGatherPolicy = AllGatherPolicy(),
+                 data_parallel_world: int | None = None) -> None:
         self.params = params
         self.mesh_info = mesh_info
         self.device = device
@@ -81,7 +82,8 @@ class ParamGroup:
         self._pending_unshard: tuple[torch.Tensor, Pending, trace.TraceEvent | None] | None = None
         self.gather_plan: GatherPlan | None = None  # tensor-subclass params (extension.py)
         self._partial_shard: torch.Tensor | None = None
-        self.reducer = Reducer(fqn, mesh_info, device)  # the reduce side: its settings, flags, reduces in flight
+        # the reduce side: its settings, flags, reduces in flight
+        self.reducer = Reducer(fqn, mesh_info, device, data_parallel_world)
         self._grad_flat: tuple[tuple[bool, ...], list[ShardedParam], FlatLayout] | None = None
         # List units: the parameters of members that ran forward since the last synced backward;
         # None: every parameter (one-module units). See design/hooks.md, "List units".
