@@ -333,3 +333,74 @@ def test_two_groups_prefetch_factor_profile_and_bad_input() -> None:
         assert "same process groups" in e["two_infos"] and "'experts.w2'" in e["two_infos"], e
         assert "Shard(dim=3)" in e["bad_dim"] and "'experts.w1'" in e["bad_dim"] and "Fix:" in e["bad_dim"], e
         assert e["bad_result"].startswith("TypeError") and "'norm.weight'" in e["bad_result"], e
+
+
+# --- checkpoints of EP models: save at (efsdp 2, ep 2), load at other layouts -------------------------
+def _trained(base: MoEModel, efsdp: int, ep: int) -> MoEModel:
+    dense, edp, ep_mesh = sparse_meshes(efsdp, ep)
+    if ep == 1:  # no expert parallel: the experts are plain parameters sharded over dp like the rest
+        return _shard(copy.deepcopy(base), fully_shard, dense, None)
+    return _shard(expert_parallel(copy.deepcopy(base), ep_mesh), fully_shard, dense, _ours_fn(base, edp, ep))
+
+
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def _bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+@distributed(world_size=4, timeout=TIMEOUT_S)
+def _checkpoints(path: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from fully_shard import checkpoint
+
+    base = MoEModel(4)
+    model = _trained(base, 2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = batch(5, dist.get_world_size())
+    _mean_loss(model, local(x), local(y)).backward()
+    opt.step()
+    saved = _full_params(model)
+    checkpoint.save(f"{path}/ckpt", model)
+    out: dict[str, Any] = {"changed": not _bitwise(saved, _full_params(base))}
+    for name, (efsdp, ep) in {"efsdp4_ep1": (4, 1), "efsdp1_ep4": (1, 4), "efsdp2_ep2": (2, 2)}.items():
+        other = _trained(MoEModel(4), efsdp, ep)
+        checkpoint.load(f"{path}/ckpt", other)
+        out[name] = _bitwise(saved, _full_params(other))
+    plain = MoEModel(4)
+    checkpoint.load(f"{path}/ckpt", plain)
+    out["plain"] = _bitwise(saved, _full_params(plain))
+    # torch's DCP on the same model: get/set_state_dict round trip
+    dcp.save(get_model_state_dict(model), checkpoint_id=f"{path}/dcp")
+    again = _trained(MoEModel(4), 2, 2)
+    state = get_model_state_dict(again)
+    dcp.load(state, checkpoint_id=f"{path}/dcp")
+    set_model_state_dict(again, state)
+    out["dcp"] = _bitwise(saved, _full_params(again))
+    if dist.get_rank() == 0:
+        files = checkpoint.consolidate(f"{path}/ckpt", f"{path}/hf")
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            if f.endswith(".safetensors"):
+                tensors.update(load_file(f))
+        out["consolidated"] = _bitwise(saved, {n: t for n, t in tensors.items() if n in saved})
+        out["buffers"] = sorted(n for n in tensors if n not in saved)
+        out["stacked"] = tuple(tensors["layers.0.experts.w1"].shape)
+    dist.barrier()
+    return out
+
+
+def test_checkpoint_ep_model_at_other_layouts(tmp_path: Any) -> None:
+    results = _checkpoints(str(tmp_path))
+    for r in results:
+        assert r["changed"] and r["efsdp2_ep2"] and r["efsdp4_ep1"] and r["efsdp1_ep4"], r
+        assert r["plain"] and r["dcp"], {k: v for k, v in r.items() if k in ("plain", "dcp")}
+    first = results[0]
+    assert first["consolidated"] and first["stacked"] == (4, 8, 12), (first["consolidated"], first["stacked"])
+    assert first["buffers"] == ["layers.0.expert_bias", "layers.1.expert_bias"], first["buffers"]
