@@ -120,10 +120,9 @@ class MoEModel(nn.Module):
         return self.head(x).sum(-1)
 
 
-def expert_parallel(model: MoEModel, ep_mesh: DeviceMesh) -> MoEModel:
+def expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> Any:
     """Experts ``Shard(0)`` DTensors on ``ep_mesh`` (what torchtitan's ``parallelize`` does before FSDP)."""
-    for layer in model.layers:
-        experts = layer.experts
+    for experts in [m for m in model.modules() if isinstance(m, GroupedExperts)]:
         for name in ("w1", "w2"):
             full = getattr(experts, name).detach()
             setattr(experts, name, nn.Parameter(distribute_tensor(full, ep_mesh, [Shard(0)], src_data_rank=None)))
