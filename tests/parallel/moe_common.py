@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -67,10 +68,14 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.randn(experts, DIM, HIDDEN) * 0.3)
         self.w2 = nn.Parameter(torch.randn(experts, HIDDEN, DIM) * 0.3)
         self.ep_group: dist.ProcessGroup | None = None  # set by expert_parallel
+        self.ep_rank = 0
+        self.traceable = False  # True: static-shape dispatch with functional collectives (torch.compile)
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         w1 = self.w1.to_local() if isinstance(self.w1, DTensor) else self.w1
         w2 = self.w2.to_local() if isinstance(self.w2, DTensor) else self.w2
+        if self.traceable:
+            return self._traceable(x, index, weight, w1, w2)
         group = self.ep_group
         if group is not None:
             x = _GatherTokens.apply(x, group)
@@ -83,6 +88,23 @@ class GroupedExperts(nn.Module):
             h = torch.relu(x[rows] @ w1[e]) @ w2[e]
             out = out.index_add(0, rows, h * weight[rows, None].to(h.dtype))
         return _CombineTokens.apply(out, group) if group is not None else out
+
+
+    def _traceable(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, w1: torch.Tensor,
+                   w2: torch.Tensor) -> torch.Tensor:
+        """Every local expert on every gathered token, masked (static shapes, no data-dependent branch):
+        all-gather over ep, then reduce-scatter (sum) back, both autograd-aware functional collectives."""
+        group = self.ep_group
+        if group is not None:
+            x = funcol.all_gather_single_autograd(x, 0, group)
+            weight = funcol.all_gather_single_autograd(weight, 0, group)
+            index = funcol.all_gather_single(index, 0, group)
+        first = w1.shape[0] * self.ep_rank
+        out = torch.zeros_like(x)
+        for e in range(w1.shape[0]):
+            mask = (index == first + e).to(x.dtype) * weight.to(x.dtype)
+            out = out + (torch.relu(x @ w1[e]) @ w2[e]) * mask[:, None]
+        return funcol.reduce_scatter_single_autograd(out, "sum", 0, group) if group is not None else out
 
 
 def _gather_plain(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -127,6 +149,7 @@ def expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> Any:
             full = getattr(experts, name).detach()
             setattr(experts, name, nn.Parameter(distribute_tensor(full, ep_mesh, [Shard(0)], src_data_rank=None)))
         experts.ep_group = ep_mesh.get_group(0)
+        experts.ep_rank = ep_mesh.get_local_rank(0)
     return model
 
 
