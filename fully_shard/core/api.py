@@ -57,8 +57,12 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
     blocks + scales instead of ``param_dtype`` values (design/quantized-all-gather.md).
 
     Parameters that are already DTensors on a TP/EP sub-mesh of the same root mesh are sharded locally
-    (2-D/3-D DTensors on the combined mesh, design/2d-params.md). ``dp_mesh_dims``: ``mesh`` is the full
-    mesh the parameters are DTensors on and the named dims are the data-parallel ones (as torch's).
+    (2-D/3-D DTensors on the combined mesh, design/2d-params.md). ``shard_placement_fn(param)`` returns
+    None, ``Shard(d)``, or ``ShardPlacement(Shard(d), mesh=other)`` (torch's ``ShardPlacementResult`` too):
+    per-parameter meshes, e.g. experts on ``efsdp`` and the rest on ``mesh``; one group (all-gather,
+    reduce-scatter) per mesh, every group's gradients divided by ``mesh``'s ranks (design/experts.md).
+    ``dp_mesh_dims``: ``mesh`` is the full mesh the parameters are DTensors on and the named dims are the
+    data-parallel ones (as torch's).
     """
     modules = _as_modules(module)
     mesh = mesh if mesh is not None else default_mesh()

@@ -32,8 +32,8 @@ Left alone on purpose (design/compat.md has the reasons): torch's implementation
 ``_fsdp_state``), so torch's own fully_shard keeps working side by side while patched;
 ``DataParallelMeshDims`` and the private ``FSDPMeshInfo`` / ``ShardPlacementResult`` /
 ``_get_mesh_info`` (torchtitan's expert-parallel path), plain records the ``fully_shard`` bound here
-reads (``dp_mesh_dims`` picks the sub-mesh; a ``ShardPlacementResult`` on the unit's own mesh is its
-placement; one on another mesh raises ``NotImplementedError``); ``torch.distributed._tools.
+reads (``dp_mesh_dims`` picks the sub-mesh; a ``ShardPlacementResult`` gives its parameter a placement
+and a mesh: per-parameter meshes, design/experts.md); ``torch.distributed._tools.
 fsdp2_mem_tracker`` (it wraps torch's ``FSDPParamGroup`` methods, so it keeps seeing only torch's
 units); ``torch.distributed.checkpoint.state_dict`` (imports only FSDP1 names; it works on the
 DTensor state dicts as is). Dynamo's two module flags (``_is_fsdp_managed_module``,

@@ -279,7 +279,21 @@ def _two_groups() -> dict[str, Any]:
     with profile(model) as prof:
         _mean_loss(model, local(x), local(y)).backward()
     rows = sorted(u["unit"] for u in prof.units())
-    out: dict[str, Any] = {"order": order, "grad_vs_ref": _diff(got, ref), "rows": rows,
+    model.zero_grad()
+    # beyond torch (which raises on several groups): custom comms and the all-reduce hook on two-group units
+    from tests.core.test_surface import _AllGather, _ReduceScatter
+
+    model.layers[0].set_gradient_divide_factor(4.0)  # back to the default division for every group
+    ag, rs = _AllGather(), _ReduceScatter()
+    model.layers[0].set_custom_all_gather(ag)
+    model.layers[0].set_custom_reduce_scatter(rs)
+    model.layers[1].set_all_reduce_hook(lambda t: t.mul_(2))
+    _mean_loss(model, local(x), local(y)).backward()
+    custom = full_grads(model)
+    custom_diff = max((custom[n] - ref[n] * (2.0 if n.startswith("layers.1.") else 1.0)).abs().max().item()
+                      for n in ref)
+    out: dict[str, Any] = {"order": order, "grad_vs_ref": _diff(got, ref), "rows": rows, "custom_diff": custom_diff,
+                           "custom_calls": (ag.calls, rs.calls, ag.used_own_buffers and rs.used_own_buffers),
                            "per_group": {n: (per_group[n] - ref[n] * (4.0 if "layers.0.experts" in n else 1.0))
                                          .abs().max().item() for n in ref}}
     errors: dict[str, str] = {}
@@ -326,6 +340,8 @@ def test_two_groups_prefetch_factor_profile_and_bad_input() -> None:
         assert r["rows"] == ["<root>", "layers.0[dp]", "layers.0[efsdp]", "layers.1[dp]", "layers.1[efsdp]"] or \
             r["rows"] == ["", "layers.0[dp]", "layers.0[efsdp]", "layers.1[dp]", "layers.1[efsdp]"], r["rows"]
         assert max(r["per_group"].values()) < 1e-4, r["per_group"]
+        assert r["custom_diff"] < 2e-5, r["custom_diff"]
+        assert r["custom_calls"] == (4, 2, True), r["custom_calls"]  # 2 groups x (forward, backward); 2 reduces
         e = r["errors"]
         assert "not a sub-mesh of the same root" in e["other_root"] and "'experts.w1'" in e["other_root"], e
         assert "same process groups" in e["two_meshes"] and "'router.weight'" in e["two_meshes"], e
