@@ -192,9 +192,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[tuple[float, float]]]:
-    args = parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    runs = run(parse_args(argv))
+    dist.destroy_process_group()
+    return runs
+
+
+def run(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
+    """Train with each ``--impl`` in the initialized process group; rank 0 prints the table."""
     impls = ("ours", "torch") if args.impl == "both" else (args.impl,)
     runs = {impl: train(impl, args) for impl in impls}
     if dist.get_rank() == 0:
@@ -204,7 +210,6 @@ def main(argv: list[str] | None = None) -> dict[str, list[tuple[float, float]]]:
         if len(impls) == 2:
             gap = max(abs(a[0] - b[0]) for a, b in zip(runs["ours"], runs["torch"]))
             print(f"largest loss gap ours vs torch: {gap:.2e}")
-    dist.destroy_process_group()
     return runs
 
 
