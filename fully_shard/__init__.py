@@ -15,6 +15,7 @@ from .comm.trace import EventKind, Phase
 from .core.api import fully_shard
 from .core.init import default_init, materialize_meta_module
 from .core.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .core.placement import ShardPlacement
 from .core.policy import (
     AllGatherPolicy,
     CPUOffloadPolicy,
@@ -80,6 +81,7 @@ __all__ = [
     "PredicatePolicy",
     "Profiler",
     "QuantizedAllGather",
+    "ShardPlacement",
     "ShardingStrategy",
     "UnitReport",
     "UnshardHandle",

@@ -17,17 +17,19 @@ from torch.distributed.tensor import Placement, Shard
 
 from ..interop.composable import check_not_replicated, mark_fully_shard
 from ..interop.dynamo import mark_managed
-from ..parallel.mesh import DataParallelMeshDims, MeshInfo, default_mesh, subgroup
+from ..parallel.mesh import DataParallelMeshDims, MeshInfo, default_mesh, describe_mesh, subgroup
 from . import registry
 from .checks import check_same_call, describe_call
 from .group import ParamGroup
 from .module import FSDPModule
 from .param import ShardedParam
+from .placement import MeshGroups, ShardPlacement
 from .policy import (
     AllGatherPolicy,
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
     OffloadPolicy,
+    QuantizedAllGather,
     check_all_gather_policy,
     check_reshard_after_forward,
 )
@@ -41,7 +43,7 @@ _PIN_WARNED = False
 
 
 def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forward: bool | int | None = None,
-                shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None = None,
+                shard_placement_fn: Callable[[nn.Parameter], Placement | ShardPlacement | None] | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
                 ignored_params: set[nn.Parameter] | None = None,
@@ -55,8 +57,12 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
     blocks + scales instead of ``param_dtype`` values (design/quantized-all-gather.md).
 
     Parameters that are already DTensors on a TP/EP sub-mesh of the same root mesh are sharded locally
-    (2-D/3-D DTensors on the combined mesh, design/2d-params.md). ``dp_mesh_dims``: ``mesh`` is the full
-    mesh the parameters are DTensors on and the named dims are the data-parallel ones (as torch's).
+    (2-D/3-D DTensors on the combined mesh, design/2d-params.md). ``shard_placement_fn(param)`` returns
+    None, ``Shard(d)``, or ``ShardPlacement(Shard(d), mesh=other)`` (torch's ``ShardPlacementResult`` too):
+    per-parameter meshes, e.g. experts on ``efsdp`` and the rest on ``mesh``; one group (all-gather,
+    reduce-scatter) per mesh, every group's gradients divided by ``mesh``'s ranks (design/experts.md).
+    ``dp_mesh_dims``: ``mesh`` is the full mesh the parameters are DTensors on and the named dims are the
+    data-parallel ones (as torch's).
     """
     modules = _as_modules(module)
     mesh = mesh if mesh is not None else default_mesh()
@@ -68,22 +74,27 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
     ignored = {id(p) for p in (ignored_params or ())}
     slots = _managed_slots(modules, ignored)
     pin = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
+    meshes = MeshGroups(mesh_info)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
-    params = _shard_params(slots, mesh_info, device, storage_device, shard_placement_fn, pin, offload)
+    params = _shard_params(slots, meshes, device, storage_device, shard_placement_fn, pin, offload)
     _check_dtensor_params(params, reshard_after_forward, mesh_info)
+    _check_groups(params, meshes, reshard_after_forward, all_gather_policy, device)
     for (orig, where), sp in zip(slots, params):  # only once every parameter was accepted: a failed call
         registry.set_owner(orig, f"{type(where[0][0]).__name__} (param {sp.fqn!r})")  # leaves the module as it was
     for m in modules:
         _move_buffers(m, device)
     k_subgroup = subgroup(mesh, mesh_info, reshard_after_forward)
     unit_name = ", ".join(type(m).__name__ for m in modules)
-    group = ParamGroup(params, "", mesh_info, device, mp_policy, k_subgroup,
-                       all_gather_policy=all_gather_policy) if params else None
+    world = mesh_info.shard_world * mesh_info.replicate_world  # the default divisor of every group (experts.md)
+    groups = [ParamGroup([p for p in params if p.mesh_info is info], "", info, device, mp_policy,
+                         k_subgroup if info is mesh_info else None, all_gather_policy=all_gather_policy,
+                         data_parallel_world=world)
+              for info in meshes.used]
     for p in params:
         p.register_sharded()
         registry.set_owner(p.sharded_param, f"{unit_name} (param {p.fqn!r})")
     registry.announce_sharded(params, [p for p, _ in slots])  # e.g. the local-shard optimizer step (optim/)
-    state = FSDPState(modules, group, mesh_info, device, mp_policy, reshard_after_forward)
+    state = FSDPState(modules, groups, mesh_info, device, mp_policy, reshard_after_forward)
     for m in modules:
         m.__dict__["_fsdp_state"] = state
         m.__class__ = _fsdp_class(type(m))
@@ -91,6 +102,8 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
     mark_managed(sub for m in modules for _, sub in _walk_unowned(m))  # what Dynamo looks for (dynamo.py)
     title = (f"fully_shard({unit_name}) mesh={tuple(mesh.shape)} reshard_after_forward={reshard_after_forward} "
              f"param_dtype={mp_policy.param_dtype} reduce_dtype={mp_policy.reduce_dtype}")
+    if len(groups) > 1 or (groups and groups[0].mesh_info is not mesh_info):
+        title += " groups=" + ", ".join(f"{describe_mesh(g.mesh_info.mesh)}:{len(g.params)}" for g in groups)
     check_same_call(describe_call(modules, _unit_owners(modules, state), title=title), mesh_info, device)
     return module
 
@@ -102,7 +115,7 @@ def _unit_owners(modules: tuple[nn.Module, ...], state: FSDPState) -> dict[int, 
         prefix = f"[{i}]." if len(modules) > 1 else ""
         for fqn, unit in states_under(m):
             name = "<this call>" if unit is state else prefix + fqn
-            for p in unit.group.params if unit.group is not None else ():
+            for p in (p for g in unit.groups for p in g.params):
                 how = "Replicate()" if p.layout.replicated else f"Shard({p.shard_dim})"
                 if p.spec.is_dtensor:
                     how = p.spec.describe() if not p.layout.replicated else f"{p.spec.replicated}"
@@ -168,9 +181,9 @@ def _walk_unowned(root: nn.Module) -> Iterable[tuple[str, nn.Module]]:
                 stack.append((join_fqn(prefix, name), child))
 
 
-def _shard_params(slots: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]], mesh_info: MeshInfo,
+def _shard_params(slots: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]], meshes: MeshGroups,
                   device: torch.device, storage_device: torch.device,
-                  shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None,
+                  shard_placement_fn: Callable[[nn.Parameter], Any] | None,
                   pin_memory: bool, offload: bool) -> list[ShardedParam]:
     params = []
     for p, where in slots:
@@ -179,12 +192,38 @@ def _shard_params(slots: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str
             raise ValueError(f"parameter {fqn!r} is on {p.device} but the mesh's device type is "
                              f"{device.type!r}. Fix: build the mesh on {p.device.type!r} "
                              f"(init_device_mesh({p.device.type!r}, ...)) or move the module first.")
-        shard_dim = _shard_dim(shard_placement_fn(p) if shard_placement_fn else None, p, fqn)
+        placement, mesh_info = meshes.resolve(shard_placement_fn(p) if shard_placement_fn else None, fqn)
+        if mesh_info.device.type != device.type:
+            raise ValueError(f"parameter {fqn!r}: shard_placement_fn chose a {mesh_info.device.type!r} mesh "
+                             f"{describe_mesh(mesh_info.mesh)}, but the fully_shard mesh is on {device.type!r}. "
+                             "Fix: build every mesh of one unit on one device type.")
+        shard_dim = _shard_dim(placement, p, fqn)
         sp = ShardedParam(module, name, fqn, p, mesh_info, storage_device,  # meta stays meta until to_empty
                           pin_memory=pin_memory, offload=offload, shard_dim=shard_dim)
         sp.slots = [(m, n) for m, n, _ in where]
         params.append(sp)
     return params
+
+
+def _check_groups(params: list[ShardedParam], meshes: MeshGroups, reshard_after_forward: bool | int | None,
+                  all_gather_policy: AllGatherPolicy, device: torch.device) -> None:
+    """Per-parameter meshes (several groups, or one group on another mesh than the call's): what they do
+    not support, refused with the fix."""
+    others = [info for info in meshes.used if info is not meshes.default]
+    if not others:
+        return
+    k = reshard_after_forward
+    fqns = [p.fqn for p in params if p.mesh_info is not meshes.default][:4]
+    if k is not None and not isinstance(k, bool):
+        raise NotImplementedError(
+            f"reshard_after_forward={k} (keep a shard over a {k}-rank subgroup) with per-parameter meshes "
+            f"(shard_placement_fn put {fqns} on {describe_mesh(others[0].mesh)}): one k cannot fit shard groups "
+            "of different sizes. Fix: reshard_after_forward=True or False for this unit.")
+    if isinstance(all_gather_policy, QuantizedAllGather):
+        raise NotImplementedError(
+            f"all_gather_policy={all_gather_policy!r} with per-parameter meshes (shard_placement_fn put {fqns} on "
+            f"{describe_mesh(others[0].mesh)}). Fix: drop the policy for this unit, or shard those parameters "
+            "in their own fully_shard call.")
 
 
 def _check_dtensor_params(params: list[ShardedParam], reshard_after_forward: bool | int | None,

@@ -66,7 +66,8 @@ class ParamGroup:
 
     def __init__(self, params: list[ShardedParam], fqn: str, mesh_info: MeshInfo, device: torch.device,
                  mp_policy: MixedPrecisionPolicy, subgroup: SubgroupInfo | None, *,
-                 all_gather_policy: AllGatherPolicy = AllGatherPolicy()) -> None:
+                 all_gather_policy: AllGatherPolicy = AllGatherPolicy(),
+                 data_parallel_world: int | None = None) -> None:
         self.params = params
         self.mesh_info = mesh_info
         self.device = device
@@ -83,7 +84,8 @@ class ParamGroup:
         self.gather_plan: GatherPlan | None = None  # tensor-subclass params (extension.py)
         self._partial_shard: torch.Tensor | None = None
         self._partial_shard_event: Any = None  # recorded on compute after writing it (accelerators)
-        self.reducer = Reducer(fqn, mesh_info, device)  # the reduce side: its settings, flags, reduces in flight
+        # the reduce side: its settings, flags, reduces in flight
+        self.reducer = Reducer(fqn, mesh_info, device, data_parallel_world)
         self._grad_flat: tuple[tuple[bool, ...], list[ShardedParam], FlatLayout] | None = None
         # List units: the parameters of members that ran forward since the last synced backward;
         # None: every parameter (one-module units). See design/hooks.md, "List units".

@@ -11,8 +11,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import protocol
+from ..parallel.mesh import describe_mesh
 from . import roots
 from .group import GroupState, ParamGroup
 from .policy import check_reshard_after_forward
@@ -27,8 +29,8 @@ class UnshardHandle:
         self._state = state
 
     def wait(self) -> None:
-        if self._state.group is not None:
-            self._state.group.wait_for_unshard()
+        for group in self._state.groups:
+            group.wait_for_unshard()
 
 
 class FSDPModule:
@@ -59,19 +61,19 @@ class FSDPModule:
         (resharded first, so the DTensors are what gets converted) and re-read them, so the next
         all-gather moves the new dtype. See design/param-lifecycle.md."""
         state = self._fsdp
-        if state.group is not None:
-            state.group.reshard()
+        for group in state.groups:
+            group.reshard()
         out = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
-        if state.group is not None:
-            state.group.adopt_module_params()
+        for group in state.groups:
+            group.adopt_module_params()
         return out
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this unit's parameters now (e.g. before a forward that skips hooks)."""
         state = self._fsdp
         state.lazy_init()
-        if state.group is not None:
-            state.group.unshard()
+        for group in state.groups:  # every group's all-gather issued; the handle waits for each
+            group.unshard()
         handle = UnshardHandle(state)
         if async_op:
             return handle
@@ -80,33 +82,29 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free this unit's unsharded parameters, registering the sharded DTensors again."""
-        state = self._fsdp
-        if state.group is not None:
-            state.group.reshard()
+        for group in self._fsdp.groups:
+            group.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: accumulate unsharded grads locally with no collective (gradient accumulation)."""
-        for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.reducer.requires_gradient_sync = requires_gradient_sync
+        for group in self._groups(recurse):
+            group.reducer.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False skips the cross-replica all-reduce (grads keep accumulating per replica)."""
-        for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.reducer.requires_all_reduce = requires_all_reduce
+        for group in self._groups(recurse):
+            group.reducer.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
         for state in self._fsdp_states(recurse):
             check_reshard_after_forward(reshard_after_forward, state.mesh_info.shard_world)
-            if state.group is not None:
-                state.group.check_subgroup(reshard_after_forward)
+            for group in state.groups:
+                group.check_subgroup(reshard_after_forward)
             state.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.reshard_after_backward = reshard_after_backward
+        for group in self._groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         self._fsdp.forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
@@ -121,8 +119,7 @@ class FSDPModule:
 
     def _groups(self, recurse: bool = False) -> Iterator[ParamGroup]:
         for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                yield state.group
+            yield from state.groups
 
     def reset_iter_state(self) -> None:
         """After an exception aborted a forward or backward, on the root: every unit resharded, the
@@ -130,15 +127,23 @@ class FSDPModule:
         roots.reset_iter_state(self._fsdp)
 
     # --- gradient reduction (reduce.py) ---------------------------------------------------------
-    def set_gradient_divide_factor(self, factor: float) -> None:
+    def set_gradient_divide_factor(self, factor: float, *, mesh: DeviceMesh | None = None) -> None:
         """Divide the summed gradient by ``factor`` instead of averaging over all ranks (``1.0``: the
         pure sum, for a loss already scaled by the global token count). SUM collectives + one scale,
-        on every backend (torch needs NCCL's PREMUL_SUM); composes with HSDP and ``reduce_dtype``."""
+        on every backend (torch needs NCCL's PREMUL_SUM); composes with HSDP and ``reduce_dtype``.
+        ``mesh`` (not in torch): only the group of this unit sharded over that mesh (per-parameter
+        meshes, e.g. the experts' ``efsdp`` mesh); default every group of the unit."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
                 or factor <= 0:
             raise ValueError(f"set_gradient_divide_factor expects a finite number > 0, got {factor!r}. "
                              "Fix: pass e.g. 1.0 for the pure sum or the global batch size.")
-        for group in self._groups():
+        groups = [g for g in self._groups() if mesh is None or g.mesh_info.mesh == mesh]
+        if mesh is not None and not groups:
+            found = [describe_mesh(g.mesh_info.mesh) for g in self._groups()]
+            raise ValueError(f"set_gradient_divide_factor(mesh={describe_mesh(mesh)}): no group of this unit is "
+                             f"sharded over that mesh; its groups are on {found}. Fix: pass one of those meshes, "
+                             "or mesh=None for every group.")
+        for group in groups:
             group.reducer.settings.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
@@ -268,14 +273,14 @@ class FSDPModule:
         """One line per managed parameter: ``blocks.0.up.weight f32[157@shard/2, 60] SHARDED``."""
         lines = []
         for prefix, state in states_under(self):  # type: ignore[arg-type]
-            if state.group is not None:
-                lines += [p.describe(join_fqn(prefix, p.local_fqn)) for p in state.group.params]
+            for group in state.groups:
+                lines += [p.describe(join_fqn(prefix, p.local_fqn)) for p in group.params]
         return "\n".join(lines)
 
     @property
     def fsdp_state_name(self) -> str:
         state = self._fsdp
-        return state.group.state.name if state.group is not None else GroupState.SHARDED.name
+        return state.groups[0].state.name if state.groups else GroupState.SHARDED.name
 
 
 def _state_of(module: Any, method: str) -> FSDPState:

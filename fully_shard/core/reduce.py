@@ -52,16 +52,20 @@ class ReduceOps:
     post_divide: float | None  # the reduced shard, after the all-reduce and the hook
 
 
-def reduce_ops(settings: ReduceSettings, world: int, dtype: torch.dtype) -> ReduceOps:
-    """torch 2.13's rule. fp32/bf16 with the default divisor: AVG collectives (NCCL and gloo both
-    average). A divide factor ``f`` or forced SUM: SUM collectives and a division by ``f`` (default
-    ``world``, every shard and replica rank) on the reduced shard. In any other dtype (fp16, fp64: the
-    overflow risk torch guards against) always SUM, the division split as ``pre * post = f`` around the
-    collective (~sqrt(f) each), so neither NCCL's pre-multiplied AVG underflows nor gloo's sum-then-divide
-    overflows. torch uses NCCL's ``PREMUL_SUM(1/f)`` for a set factor, which gloo lacks; SUM + a division
-    runs everywhere (README, differences)."""
+def reduce_ops(settings: ReduceSettings, world: int, dtype: torch.dtype, *,
+               collective_world: int | None = None) -> ReduceOps:
+    """torch 2.13's rule. fp32/bf16 with the default divisor over the ranks the collectives run on: AVG
+    collectives (NCCL and gloo both average). A divide factor ``f``, forced SUM, or a default divisor
+    ``world`` other than the ranks the collectives run over (``collective_world``: an expert group of a
+    per-parameter-mesh unit, design/experts.md): SUM collectives and a division by ``f`` (default
+    ``world``, every shard and replica rank of the unit's mesh) on the reduced shard. In any other dtype
+    (fp16, fp64: the overflow risk torch guards against) always SUM, the division split as
+    ``pre * post = f`` around the collective (~sqrt(f) each), so neither NCCL's pre-multiplied AVG
+    underflows nor gloo's sum-then-divide overflows. torch uses NCCL's ``PREMUL_SUM(1/f)`` for a set
+    factor, which gloo lacks; SUM + a division runs everywhere (README, differences)."""
     overflow_risk = dtype not in _NO_OVERFLOW_RISK
-    if settings.divide_factor is None and not settings.force_sum and not overflow_risk:
+    if (settings.divide_factor is None and not settings.force_sum and not overflow_risk
+            and collective_world in (None, world)):
         avg: dist.ReduceOp = collectives.AVG
         return ReduceOps(avg, avg, None, None)
     factor = float(settings.divide_factor if settings.divide_factor is not None else world)
@@ -92,10 +96,15 @@ class Reducer:
     """The reduce side of one ``ParamGroup``, owned by it: reduce-scatter (+ HSDP all-reduce), hook,
     divide factor, sharded ``.grad``; the sync flags and the ``set_*`` settings of that side."""
 
-    def __init__(self, fqn: str, mesh_info: MeshInfo, device: torch.device) -> None:
+    def __init__(self, fqn: str, mesh_info: MeshInfo, device: torch.device,
+                 data_parallel_world: int | None = None) -> None:
         self.fqn = fqn
         self.mesh_info = mesh_info
         self.device = device
+        own = mesh_info.shard_world * mesh_info.replicate_world
+        # the default divisor: the unit's data-parallel ranks (its fully_shard mesh), which for an expert
+        # group on (efsdp, ep) is efsdp * ep, not this group's efsdp ranks (design/experts.md)
+        self.data_parallel_world = data_parallel_world if data_parallel_world is not None else own
         self.settings = ReduceSettings()  # the reduce side's set_* calls
         self.requires_gradient_sync = True  # set_requires_gradient_sync
         self.requires_all_reduce = True  # set_requires_all_reduce (HSDP)
@@ -123,7 +132,8 @@ class Reducer:
         if before_alloc is not None:
             before_alloc()
         ctx, settings = comm, self.settings
-        ops = reduce_ops(settings, self.mesh_info.shard_world * self.mesh_info.replicate_world, reduce_dtype)
+        ops = reduce_ops(settings, self.data_parallel_world, reduce_dtype,
+                         collective_world=self.mesh_info.shard_world * self.mesh_info.replicate_world)
         alloc = settings.comm.allocate if settings.comm is not None else None
         with torch.no_grad():
             ctx.release_reduce_scatter_inputs(keep=(settings.max_input_buffers or 1) - 1)

@@ -23,8 +23,8 @@ def reset_iter_state(state: FSDPState) -> None:
                            f"{state.fqn or type(state.modules[0]).__name__!r} is not a root. "
                            "Fix: call it on the module the outermost fully_shard was applied to.")
     for st in root.states:
-        if st.group is not None:
-            st.group.reset()
+        for group in st.groups:
+            group.reset()
         st.training_state = TrainingState.IDLE
         st._modules_to_run = set()
         st._awaits_post_backward = False
@@ -61,5 +61,5 @@ def _use_comm(state: FSDPState, comm: CommContext) -> None:
         return  # lazy init picks it up (RootContext)
     state.root.comm = comm
     for st in state.root.states:
-        if st.group is not None:
-            st.group.comm = comm
+        for group in st.groups:
+            group.comm = comm

@@ -47,7 +47,7 @@ class RootContext:
         self.states = states
         self.comm = comm or CommContext(device)  # share_comm_ctx: one shared by several roots
         self.reduces = ReduceQueue(accelerated=self.comm.accelerated)
-        self.reduces.units = max(1, sum(state.group is not None for state in states))
+        self.reduces.units = max(1, sum(len(state.groups) for state in states))
         self.forward_order: list[FSDPState] = []  # units in the order their forward began
         self.post_forward_order: list[FSDPState] = []  # ... and ended: backward runs it in reverse
         self.order_frozen = False
@@ -58,11 +58,13 @@ class RootContext:
 class FSDPState:
     """Hooks and settings of one fully_shard unit."""
 
-    def __init__(self, modules: tuple[nn.Module, ...], group: ParamGroup | None, mesh_info: MeshInfo,
+    def __init__(self, modules: tuple[nn.Module, ...], groups: list[ParamGroup], mesh_info: MeshInfo,
                  device: torch.device, mp_policy: MixedPrecisionPolicy,
                  reshard_after_forward: bool | int | None) -> None:
         self.modules = modules
-        self.group = group
+        # one ParamGroup per (shard group, replicate group) of the unit's parameters: one for a unit on one
+        # mesh; several with per-parameter meshes (e.g. dense on dp, experts on efsdp: design/experts.md)
+        self.groups = groups
         self.mesh_info = mesh_info
         self.device = device
         self.mp_policy = mp_policy
@@ -77,7 +79,7 @@ class FSDPState:
         self.shared_comm: CommContext | None = None  # share_comm_ctx before lazy init (roots.py)
         self._modules_to_run: set[nn.Module] = set()  # list unit: members still to run this pass
         self._awaits_post_backward = False  # this pass wrapped grad-requiring inputs in _PostBackward
-        self._member_params = _member_params(modules, group)  # list unit: params under each member
+        self._member_params = _member_params(modules, groups)  # list unit: params under each member
         for name in _EAGER_METHODS:
             setattr(self, name, eager(getattr(self, name)))
         for module in modules:
@@ -100,12 +102,22 @@ class FSDPState:
             state.root = root
             state.is_root = state is self
             state.fqn = fqn
-            if state.group is not None:
-                state.group.fqn = fqn
-                for p in state.group.params:
+            for group in state.groups:
+                # several groups: each named by its mesh (profiler rows, trace, errors), e.g. "layers.0[efsdp]"
+                group.fqn = fqn if len(state.groups) == 1 else f"{fqn}[{group_label(group)}]"
+                for p in group.params:
                     p.fqn = join_fqn(fqn, p.local_fqn)
-                state.group.lazy_init(root.comm)
+                group.lazy_init(root.comm)
         self.is_root = True
+
+    @property
+    def group(self) -> ParamGroup | None:
+        """The unit's one group (None: no managed parameters). A unit with per-parameter meshes has several:
+        ``groups`` (as torch's ``_fsdp_param_group`` asserts one)."""
+        if len(self.groups) > 1:
+            raise AssertionError(f"fully_shard unit {self.fqn or '<root>'!r} has {len(self.groups)} parameter groups "
+                                 "(per-parameter meshes); use state.groups")
+        return self.groups[0] if self.groups else None
 
     @property
     def _root(self) -> RootContext:
@@ -118,8 +130,9 @@ class FSDPState:
     def _reshard_for_state_dict(self, *_: Any) -> None:
         """``state_dict()``/``load_state_dict()`` between steps always see the sharded DTensors, even
         after a forward that kept the parameters gathered (e.g. the root, or a no_grad forward)."""
-        if self.group is not None and self.training_state is TrainingState.IDLE:
-            self.group.reshard()
+        if self.training_state is TrainingState.IDLE:
+            for group in self.groups:
+                group.reshard()
 
     @property
     def effective_reshard_after_forward(self) -> bool | int:
@@ -138,8 +151,8 @@ class FSDPState:
         if self.root is None:
             self.lazy_init()
         if self.training_state is TrainingState.PRE_BACKWARD:  # activation-checkpoint recompute
-            if self.group is not None:
-                self.group.wait_for_unshard(Phase.BACKWARD)
+            for group in self.groups:
+                group.wait_for_unshard(Phase.BACKWARD)
             return self._cast_inputs(args, kwargs)  # the recompute sees the original forward's dtypes
         # A list unit's pass starts with whichever member runs first; every member's call casts its
         # inputs and makes sure the parameters are gathered (a member may run on its own, e.g. a
@@ -147,12 +160,11 @@ class FSDPState:
         first_in_pass = self.training_state is not TrainingState.FORWARD
         if first_in_pass:
             args, kwargs = self._start_pass(args, kwargs)
-        if self.group is not None and torch.is_grad_enabled() and self._member_params is not None:
-            self.group.mark_used(self._member_params[module])
+        if torch.is_grad_enabled() and self._member_params is not None:
+            for group in self.groups:
+                group.mark_used(self._member_params[module])
         args, kwargs = self._cast_inputs(args, kwargs)
-        if self.group is not None:
-            self.group.unshard(Phase.FORWARD)
-            self.group.wait_for_unshard(Phase.FORWARD)
+        self._unshard(Phase.FORWARD)
         if first_in_pass:
             self._prefetch(self._forward_targets(), Phase.FORWARD)
             self._awaits_post_backward = False
@@ -192,17 +204,16 @@ class FSDPState:
         root = self.root
         if root is not None and not root.order_frozen and self not in root.post_forward_order:
             root.post_forward_order.append(self)
-        if self.group is None:
-            return
-        if not torch.is_grad_enabled():  # no backward needs them; only an explicit False keeps them
-            if self.reshard_after_forward is not False:
-                self.group.reshard(Phase.FORWARD)
-            return
-        raf = self.effective_reshard_after_forward
-        if raf is True:
-            self.group.reshard(Phase.FORWARD)
-        elif raf is not False:
-            self.group.reshard(Phase.FORWARD, partial=True)
+        for group in self.groups:
+            if not torch.is_grad_enabled():  # no backward needs them; only an explicit False keeps them
+                if self.reshard_after_forward is not False:
+                    group.reshard(Phase.FORWARD)
+                continue
+            raf = self.effective_reshard_after_forward
+            if raf is True:
+                group.reshard(Phase.FORWARD)
+            elif raf is not False:
+                group.reshard(Phase.FORWARD, partial=True)
 
     def _finish_partial_passes(self) -> None:
         """End of the root's forward: list units some of whose members did not run (a model forward
@@ -264,9 +275,21 @@ class FSDPState:
 
     def _prefetch(self, targets: list[FSDPState], phase: Phase) -> None:
         for target in targets:
-            group = target.group
-            if group is not None and group.state in (GroupState.SHARDED, GroupState.PARTIALLY_SHARDED):
-                group.unshard(phase, prefetch=True)
+            for group in target.groups:  # every group of the target: one all-gather each, all issued
+                if group.state in (GroupState.SHARDED, GroupState.PARTIALLY_SHARDED):
+                    group.unshard(phase, prefetch=True)
+
+    def _unshard(self, phase: Phase) -> None:
+        """Issue every group's all-gather, then wait for each (several groups: their gathers overlap)."""
+        groups = self.groups
+        if len(groups) == 1:
+            groups[0].unshard(phase)
+            groups[0].wait_for_unshard(phase)
+            return
+        for group in groups:
+            group.unshard(phase)
+        for group in groups:
+            group.wait_for_unshard(phase)
 
     # --- backward ----------------------------------------------------------------------------------
     def _register_pre_backward(self, output: Any) -> Any:
@@ -288,9 +311,7 @@ class FSDPState:
         else:  # ... but this backward still leaves complete gradients: its reduces finish at its end
             self._queue_reduce_callback()
         self.training_state = TrainingState.PRE_BACKWARD
-        if self.group is not None:
-            self.group.unshard(Phase.BACKWARD)
-            self.group.wait_for_unshard(Phase.BACKWARD)
+        self._unshard(Phase.BACKWARD)
         if not partial_pass:
             self._prefetch(self._backward_targets(), Phase.BACKWARD)
         return grad
@@ -316,33 +337,35 @@ class FSDPState:
         root.comm.release_reduce_scatter_inputs()
         root.comm.sync_grad_offload()
 
-    def post_backward(self) -> None:
-        """All gradients of this unit's parameters for one forward call are ready."""
+    def post_backward(self, only: ParamGroup | None = None) -> None:
+        """All gradients of this unit's parameters for one forward call are ready (``only``: reduce just
+        that group, as torch's pipelining calls each group's ``post_backward``)."""
         self.training_state = TrainingState.POST_BACKWARD
-        group = self.group
-        if group is None:
-            return
-        if group.state is GroupState.UNSHARDED:
-            self._reduce(group)
+        groups = [g for g in self.groups if g.state is GroupState.UNSHARDED and (only is None or g is only)]
+        self._reduce(groups)
+        for group in groups:
             if group.reshard_after_backward:
                 group.reshard(Phase.BACKWARD)
 
-    def _reduce(self, group: ParamGroup) -> None:
-        """Reduce-scatter ``group``'s grads and queue it; the root's queue decides when it finishes."""
+    def _reduce(self, groups: list[ParamGroup]) -> None:
+        """Reduce-scatter the grads of ``groups`` (one unit's) and queue them; the root's queue decides when
+        they finish. Room is made once, before the first group's buffers: a unit's groups are all issued
+        before any of them is waited, so their collectives overlap."""
+        if not groups:
+            return
         reduces = self._root.reduces
-        if group.reducer.requires_gradient_sync:
-            reduces.make_room(group.reducer)  # before this group's reduce buffers are allocated
-        if group.reduce_grads(reshard_first=group.reshard_after_backward):
+        if groups[0].reducer.requires_gradient_sync:
+            reduces.make_room(groups[0].reducer)  # before this unit's reduce buffers are allocated
+        issued = [g for g in groups if g.reduce_grads(reshard_first=g.reshard_after_backward)]
+        for group in issued:
             reduces.push(group.reducer)
 
     def root_final_callback(self) -> None:
         """End of backward: reduce what no post-backward hook caught, reshard, finish reduces."""
         root = self._root
         for state in root.states:
-            group = state.group
-            if group is not None:
-                if group.has_unsharded_grads():
-                    self._reduce(group)
+            self._reduce([g for g in state.groups if g.has_unsharded_grads()])
+            for group in state.groups:
                 if group.state is not GroupState.SHARDED and group.reshard_after_backward:
                     group.reshard(Phase.BACKWARD)
                 if group.reducer.requires_gradient_sync:
@@ -397,16 +420,23 @@ def _register_post_backward(state: FSDPState, args: tuple, kwargs: dict) -> tupl
 
 
 def _member_params(modules: tuple[nn.Module, ...],
-                   group: ParamGroup | None) -> dict[nn.Module, list[ShardedParam]] | None:
+                   groups: list[ParamGroup]) -> dict[nn.Module, list[ShardedParam]] | None:
     """A list unit's parameters under each member module (None for a one-module unit): a member
     that did not run forward leaves its parameters' grads None (design/hooks.md)."""
-    if len(modules) < 2 or group is None:
+    if len(modules) < 2 or not groups:
         return None
     found: dict[nn.Module, list[ShardedParam]] = {}
     for member in modules:
         subs = {id(m) for m in member.modules()}
-        found[member] = [p for p in group.params if any(id(m) in subs for m, _ in p.slots)]
+        found[member] = [p for g in groups for p in g.params if any(id(m) in subs for m, _ in p.slots)]
     return found
+
+
+def group_label(group: ParamGroup) -> str:
+    """A group of a several-group unit by its mesh's dim names (its shape without names): ``efsdp``,
+    ``dp_replicate,efsdp``."""
+    mesh = group.mesh_info.mesh
+    return ",".join(mesh.mesh_dim_names or tuple(str(n) for n in mesh.shape))
 
 
 def get_state(module: nn.Module) -> FSDPState | None:

@@ -32,8 +32,8 @@ Left alone on purpose (design/compat.md has the reasons): torch's implementation
 ``_fsdp_state``), so torch's own fully_shard keeps working side by side while patched;
 ``DataParallelMeshDims`` and the private ``FSDPMeshInfo`` / ``ShardPlacementResult`` /
 ``_get_mesh_info`` (torchtitan's expert-parallel path), plain records the ``fully_shard`` bound here
-reads (``dp_mesh_dims`` picks the sub-mesh; a ``ShardPlacementResult`` on the unit's own mesh is its
-placement; one on another mesh raises ``NotImplementedError``); ``torch.distributed._tools.
+reads (``dp_mesh_dims`` picks the sub-mesh; a ``ShardPlacementResult`` gives its parameter a placement
+and a mesh: per-parameter meshes, design/experts.md); ``torch.distributed._tools.
 fsdp2_mem_tracker`` (it wraps torch's ``FSDPParamGroup`` methods, so it keeps seeing only torch's
 units); ``torch.distributed.checkpoint.state_dict`` (imports only FSDP1 names; it works on the
 DTensor state dicts as is). Dynamo's two module flags (``_is_fsdp_managed_module``,
@@ -51,9 +51,9 @@ from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement
 
 from ..core import api
+from ..core.group import ParamGroup
 from ..core.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from ..core.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..core.state import FSDPState, get_state
@@ -90,7 +90,7 @@ class _TorchSignatureFullyShard:
                  mp_policy: Any = MixedPrecisionPolicy(), offload_policy: Any = OffloadPolicy(),
                  ignored_params: set[nn.Parameter] | None = None, dp_mesh_dims: Any = None) -> Any:
         out = api.fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                              shard_placement_fn=_placement_fn(shard_placement_fn, mesh),
+                              shard_placement_fn=shard_placement_fn,
                               mp_policy=_mp_policy(mp_policy), offload_policy=_offload_policy(offload_policy),
                               ignored_params=ignored_params, dp_mesh_dims=dp_mesh_dims)
         return out  # api.fully_shard sets Dynamo's module flags (dynamo.mark_managed)
@@ -106,33 +106,6 @@ class _TorchSignatureFullyShard:
 
 
 fully_shard = _TorchSignatureFullyShard()
-
-
-def _placement_fn(fn: Callable[[nn.Parameter], Any] | None,
-                  mesh: DeviceMesh | None) -> Callable[[nn.Parameter], Placement | None] | None:
-    """Accept torch's ``ShardPlacementResult(placement, mesh_info)`` as well as a plain placement."""
-    if fn is None:
-        return None
-
-    def placement_of(param: nn.Parameter) -> Placement | None:
-        result = fn(param)
-        if result is None or isinstance(result, Placement):
-            return result
-        info = getattr(result, "mesh_info", None)
-        if not hasattr(result, "placement"):
-            raise ValueError(f"shard_placement_fn returned {result!r}; expected None, Shard(d) or a "
-                             "ShardPlacementResult(placement=..., mesh_info=...).")
-        other = getattr(info, "mesh", None)
-        if other is not None and mesh is not None and other != mesh:
-            raise NotImplementedError(
-                f"shard_placement_fn put a parameter of shape {tuple(param.shape)} on its own mesh "
-                f"{tuple(other.shape)} (per-parameter meshes, e.g. torchtitan's expert parallelism with "
-                f"ep_degree > 1); this library shards a unit over one mesh {tuple(mesh.shape)}. Fix: shard "
-                "those parameters in their own fully_shard call with mesh=<that mesh>.")
-        placement: Placement | None = result.placement
-        return placement
-
-    return placement_of
 
 
 def _convert(value: Any, ours: type) -> Any:
@@ -233,23 +206,25 @@ class MeshInfoView:
 
 
 class GroupView:
-    """torch's ``FSDPParamGroup`` as torch's pipelining uses it: ``post_backward()`` and ``mesh_info``."""
+    """torch's ``FSDPParamGroup`` as torch's pipelining uses it: ``post_backward()`` and ``mesh_info``
+    (one per group of the unit: several with per-parameter meshes)."""
 
-    def __init__(self, state: FSDPState) -> None:
+    def __init__(self, state: FSDPState, group: ParamGroup) -> None:
         self._state = state
+        self._group = group
 
     @property
     def mesh_info(self) -> MeshInfoView:
-        return MeshInfoView.of(self._state.mesh_info)
+        return MeshInfoView.of(self._group.mesh_info)
 
     @property
     def modules(self) -> tuple[nn.Module, ...]:
         return self._state.modules
 
     def post_backward(self) -> None:
-        """Reduce-scatter (or, with sync off, keep accumulating) the unit's unsharded gradients and
+        """Reduce-scatter (or, with sync off, keep accumulating) this group's unsharded gradients and
         reshard if ``reshard_after_backward``: what a post-backward hook does."""
-        self._state.post_backward()
+        self._state.post_backward(only=self._group)
 
 
 class StateView:
@@ -260,12 +235,16 @@ class StateView:
 
     @property
     def _fsdp_param_group(self) -> GroupView | None:
-        return GroupView(self._state) if self._state.group is not None else None
+        """The unit's one group; with several (per-parameter meshes) an AssertionError, as torch's."""
+        groups = self._fsdp_param_groups
+        if len(groups) > 1:
+            raise AssertionError(f"this fully_shard unit has {len(groups)} parameter groups (per-parameter "
+                                 "meshes); use _fsdp_param_groups")
+        return groups[0] if groups else None
 
     @property
     def _fsdp_param_groups(self) -> list[GroupView]:
-        group = self._fsdp_param_group
-        return [group] if group is not None else []
+        return [GroupView(self._state, group) for group in self._state.groups]
 
     @property
     def _is_root(self) -> bool | None:

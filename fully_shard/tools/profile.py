@@ -87,18 +87,16 @@ class Profiler:
         bytes (unpadded) and whether it reshards after forward (so it is gathered again in backward)."""
         out = []
         for state in self._states():
-            group = state.group
-            if group is None:
-                continue
             raf = state.effective_reshard_after_forward
-            out.append({
-                "unit": group.fqn,
-                "gathered_bytes": group.unsharded_nbytes,
-                "param_bytes": sum(p.layout.numel for p in group.params) * group.param_dtype.itemsize,
-                "grad_bytes": sum(p.layout.numel for p in group.grad_params) * group.reduce_dtype.itemsize,
-                "params": len(group.params),
-                "reshard_after_forward": raf if isinstance(raf, bool) else int(raf),
-            })
+            for group in state.groups:  # one row per group: a unit with per-parameter meshes has several
+                out.append({
+                    "unit": group.fqn,
+                    "gathered_bytes": group.unsharded_nbytes,
+                    "param_bytes": sum(p.layout.numel for p in group.params) * group.param_dtype.itemsize,
+                    "grad_bytes": sum(p.layout.numel for p in group.grad_params) * group.reduce_dtype.itemsize,
+                    "params": len(group.params),
+                    "reshard_after_forward": raf if isinstance(raf, bool) else int(raf),
+                })
         return out
 
     def model_bytes(self) -> int:
@@ -107,8 +105,8 @@ class Profiler:
 
     def _reduce_dtypes(self) -> str:
         """The reduce dtypes that differ from the all-gather dtype ("" when none do)."""
-        names = sorted({str(s.group.reduce_dtype).replace("torch.", "") for s in self._states()
-                        if s.group is not None and s.group.reduce_dtype != s.group.param_dtype})
+        names = sorted({str(g.reduce_dtype).replace("torch.", "") for s in self._states() for g in s.groups
+                        if g.reduce_dtype != g.param_dtype})
         return ", ".join(names)
 
     # --- recording ---------------------------------------------------------------------------

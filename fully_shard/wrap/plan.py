@@ -272,9 +272,9 @@ def auto_wrap(model: nn.Module, policy: Any, *, strategy: ShardingStrategy = Sha
 def _applied_report(fqn: str, modules: tuple[str, ...], module: nn.Module, raf: bool | int | None) -> UnitReport:
     state = get_state(module)
     assert state is not None
-    group = state.group
-    if group is None:
+    if not state.groups:
         return UnitReport(fqn, modules, 0, 0, 0, 0, raf)
+    group = state.groups[0]  # auto_wrap's units are on one mesh: one group
     shapes = [(p.unsharded_shape, p.orig_dtype) for p in group.params]  # what is gathered (TP: local)
     return _report(fqn, modules, shapes, group.mesh_info.shard_world, group.mp_policy.param_dtype, raf,
                    gathered=group.unsharded_nbytes)

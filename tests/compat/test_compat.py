@@ -224,11 +224,14 @@ def _torch_records() -> dict[str, Any]:
         assert view is not None and view.mesh_info.shard_mesh_size == 2
         assert view.mesh_info.shard_process_group is mesh.get_group(0)
         assert view.mesh_info.replicate_process_group is None
-        elsewhere = nn.Linear(4, 4)
+        elsewhere = nn.Linear(4, 4)  # per-parameter meshes: one FSDPMeshInfo object per process group (torch's rule)
         if not TORCH_NO_PLACEMENT_RESULT:
-            with pytest.raises(NotImplementedError, match="per-parameter meshes"):
+            with pytest.raises(ValueError, match="another mesh object on the same process groups"):
                 fully_shard(elsewhere, mesh=mesh,
                             shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), _get_mesh_info(other)))
+            other_info = _get_mesh_info(other)
+            fully_shard(elsewhere, mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), other_info))
+            assert elsewhere.weight.device_mesh == other and elsewhere.bias.device_mesh == other
     finally:
         compat.unpatch_torch()
     return {"placements": str(model[0].weight.placements)}
