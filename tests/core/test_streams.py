@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 
 from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from fully_shard.comm import streams
@@ -259,3 +260,42 @@ def test_tensor_subclass_unit_and_its_custom_all_gather_buffers() -> None:
     _assert_clean(results)
     for r in results:  # every gathered buffer of the extension units came from the comm's allocate
         assert all(n >= 4 for n in r["allocations"]), r["allocations"]  # 2 steps x (forward + backward)
+
+
+@distributed(world_size=4)
+def _experts() -> dict[str, Any]:
+    """Two groups per unit (dense on dp 4, experts on efsdp 2 x ep 2): each with its own all-gather and
+    reduce-scatter in flight on the same streams."""
+    from fully_shard.core.placement import ShardPlacement
+    from tests.parallel.moe_common import MoEModel, batch, expert_parallel, is_expert, local, sparse_meshes
+
+    torch.manual_seed(0)
+    dense, edp, ep_mesh = sparse_meshes(2, 2)
+    base = MoEModel()
+
+    def run(model: nn.Module) -> list[float]:
+        expert_parallel(model, ep_mesh)
+        fn = lambda p: ShardPlacement(Shard(0), mesh=edp) if is_expert(p) else None  # noqa: E731
+        for layer in model.layers:  # type: ignore[attr-defined]
+            fully_shard(layer, mesh=dense, shard_placement_fn=fn)
+        fully_shard(model, mesh=dense)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(2):
+            x, y = batch(step, 4)
+            loss = (model(local(x)) - local(y)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    cpu_losses = run(copy.deepcopy(base))
+    with StreamStandIn() as device, streams.stand_in(device):
+        losses = run(copy.deepcopy(base))
+        gc.collect()
+    return {"violations": device.violations, "losses": losses, "cpu_losses": cpu_losses}
+
+
+def test_expert_parallel_unit_with_two_groups() -> None:
+    _assert_clean(_experts())
