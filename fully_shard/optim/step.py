@@ -158,7 +158,10 @@ def _pre_step(optimizer: Optimizer, args: tuple[Any, ...],
     if plan is None or plan.epoch != _epoch or plan.groups_seen != len(optimizer.param_groups):
         # new optimizer, a fully_shard call since (params may have been replaced), or add_param_group()
         _refuse_replaced(optimizer)
-        plan = _plans[optimizer] = _Plan(_epoch, len(optimizer.param_groups), LocalState(optimizer.state))
+        plan = _plans[optimizer] = _Plan(_epoch, len(optimizer.param_groups), LocalState(optimizer.state),
+                                         ours=_holds_ours(optimizer))
+    if not plan.ours:
+        return None  # an optimizer over no parameter of ours: torch's own step, nothing more per step
     state_keys = _STATE_KEYS.get(type(optimizer))
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if _path is StepPath.DTENSOR or state_keys is None or closure is not None:
@@ -184,10 +187,19 @@ def _drop_local_grads() -> None:
     with_grad.clear()
 
 
+def _holds_ours(optimizer: Optimizer) -> bool:
+    with _track_lock:
+        owned = {id(sp.sharded_param) for sp in _tracked}
+    return any(id(p) in owned for group in optimizer.param_groups for p in group["params"])
+
+
 def _refuse_replaced(optimizer: Optimizer, params: list[torch.Tensor] | None = None) -> None:
+    """Refuse a step over originals fully_shard replaced that nothing uses any more (no gradient: an
+    optimizer built before fully_shard). One still used elsewhere (a teacher or EMA module registering
+    the same Parameter object) has its gradient and trains as it should."""
     if params is None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-    stale = [p for p in params if hasattr(p, _REPLACED_ATTR)]
+    stale = [p for p in params if hasattr(p, _REPLACED_ATTR) and p.grad is None]
     if stale:
         names = ", ".join(str(getattr(p, _REPLACED_ATTR)) for p in stale[:3])
         more = f" and {len(stale) - 3} more" if len(stale) > 3 else ""
@@ -204,6 +216,7 @@ class _Plan:
     epoch: int
     groups_seen: int
     local_state: LocalState
+    ours: bool = True  # holds a parameter of a fully_shard unit (else the hook leaves every step to torch)
     groups: dict[int, LocalGroup] = field(default_factory=dict)  # by param group index
     snapshot: StateSnapshot | None = None
 

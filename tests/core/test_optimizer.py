@@ -381,6 +381,34 @@ def test_optimizer_built_before_fully_shard_raises() -> None:
     _built_before_fully_shard()
 
 
+@distributed(world_size=2)
+def _unrelated_optimizers() -> dict[str, Any]:
+    """An optimizer over a teacher that registers one of the student's original Parameters (still used,
+    so it has a gradient) and one over an unrelated module: both are torch's own steps, never refused."""
+    torch.manual_seed(0)
+    student = TinyGPT(n_blocks=2)
+    teacher = nn.Module()
+    teacher.w = student.blocks[0].up.weight  # the same Parameter object, registered in the teacher too
+    other = nn.Linear(4, 4)
+    teacher_opt = torch.optim.SGD(teacher.parameters(), lr=0.1)
+    shard_gpt(student)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=0.1)
+    paths = {"teacher": record_paths(teacher_opt), "other": record_paths(other_opt)}
+    before = teacher.w.detach().clone()
+    for _ in range(2):
+        teacher.w.sum().backward()
+        teacher_opt.step()
+        other(torch.ones(1, 4)).sum().backward()
+        other_opt.step()
+    return {"paths": paths, "moved": not torch.equal(before, teacher.w.detach())}
+
+
+def test_optimizers_over_no_sharded_parameter_are_left_alone() -> None:
+    for r in _unrelated_optimizers():
+        assert r["moved"], r
+        assert r["paths"] == {"teacher": ["dtensor"] * 2, "other": ["dtensor"] * 2}, r["paths"]
+
+
 def test_set_step_path_validates() -> None:
     with pytest.raises(TypeError, match=r"StepPath.DTENSOR"):
         set_step_path("dtensor")  # type: ignore[arg-type]
