@@ -61,6 +61,7 @@ class TraceEvent:
     t_end: float = 0.0  # filled by observers that time the collective's completion
     exposed_s: float = 0.0  # time the caller blocked waiting for this event's collective
     prefetch: bool = False
+    issued_as: str = ""  # the collective issued when it is not ``kind`` (gloo's in-place reduce-scatter: all_reduce)
     timing: CollectiveTiming | None = None  # ALL_GATHER / REDUCE_SCATTER / ALL_REDUCE while observed
 
     def short(self) -> str:

@@ -157,8 +157,9 @@ class Reducer:
                     out, inp, group, ops.reduce_scatter, a, comm=settings.comm))
         if ctx.accelerated:  # keep the input until its collective is done (see streams.py)
             ctx.hold_reduce_scatter_input(inp, pending.event)
-        trace.emit_if_observed(trace.EventKind.REDUCE_SCATTER, self.fqn, trace.Phase.BACKWARD,
-                               nbytes=inp.nbytes, group_size=self.mesh_info.shard_world, timing=pending.timing)
+        trace.emit_if_observed(trace.EventKind.REDUCE_SCATTER, self.fqn, trace.Phase.BACKWARD, nbytes=inp.nbytes,
+                               group_size=self.mesh_info.shard_world, timing=pending.timing,
+                               issued_as="all_reduce" if in_place else "")
         output: torch.Tensor | None = out
         all_reduce = None
         if self.mesh_info.replicate_group is not None:

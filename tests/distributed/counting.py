@@ -1,46 +1,60 @@
-"""Count the c10d collectives a block issues (at the dispatcher, independent of our own trace)."""
+"""Count the c10d collectives a block issues (at the dispatcher), and the same in torch's terms."""
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fully_shard.comm import trace
+from fully_shard.comm.trace import EventKind, TraceEvent
+
 NAMES = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
          "allreduce_": "all_reduce", "broadcast_": "broadcast", "allgather_": "all_gather_list"}
 
 
-def _in_reduce_grads() -> bool:
-    """Issued by fully_shard's ``Reducer.reduce`` itself (the dispatcher runs in the issuing
-    thread), not by a method it calls (HSDP's replica all-reduce is ``_all_reduce_replicas``'s)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_filename.endswith("fully_shard/core/reduce.py") and code.co_name != "<lambda>":
-            return code.co_name == "reduce"  # the innermost method in core/reduce.py
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
-
-
 class CountCollectives(TorchDispatchMode):
-    """``with CountCollectives() as c: ...; c.counts == {"all_gather": 4, ...}``.
+    """``with CountCollectives() as c: ...``: ``c.issued`` counts every c10d collective issued in the
+    block, by name, at the dispatcher; ``c.counts`` is the same in torch's terms, to compare with
+    torch's ``fully_shard`` one for one.
 
-    On gloo fully_shard's reduce-scatter is an all-reduce of its own input in place (gloo's
-    reduce-scatter is an all-reduce of a copy: design/data-path.md); the all-reduce issued from
-    ``Reducer.reduce`` is counted as the operation it performs, ``reduce_scatter``, so counts compare
-    with torch's FSDP2 one for one."""
+    The one mapping between them (design/data-path.md): on gloo the library performs a unit's
+    reduce-scatter as an in-place all-reduce of its own input (gloo's own reduce-scatter is an all-reduce
+    of a copy). The library says so in its trace: a ``REDUCE_SCATTER`` event with ``issued_as="all_reduce"``.
+    ``counts`` moves exactly those all-reduces back to ``reduce_scatter``; nothing else is renamed, and
+    ``issued`` keeps what really went to the backend (tests/core/test_gloo_reduce.py checks both)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.counts: Counter[str] = Counter()
+        self.issued: Counter[str] = Counter()
+        self.in_place_reduce_scatters = 0
+        self._observing: Any = None
+
+    @property
+    def counts(self) -> Counter[str]:
+        out = Counter(self.issued)
+        if self.in_place_reduce_scatters:
+            out["all_reduce"] -= self.in_place_reduce_scatters
+            out["reduce_scatter"] += self.in_place_reduce_scatters
+        return +out  # drops zero entries
+
+    def _on_event(self, event: TraceEvent) -> None:
+        if event.kind is EventKind.REDUCE_SCATTER and event.issued_as == "all_reduce":
+            self.in_place_reduce_scatters += 1
+
+    def __enter__(self) -> CountCollectives:
+        self._observing = trace.observe(self._on_event)
+        self._observing.__enter__()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._observing.__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         packet = func._overloadpacket
         if packet.__module__.endswith("c10d") or "c10d" in str(packet):
-            name = NAMES.get(str(packet).split(".")[-1], str(packet).split(".")[-1])
-            if name == "all_reduce" and _in_reduce_grads():
-                name = "reduce_scatter"
-            self.counts[name] += 1
+            self.issued[NAMES.get(str(packet).split(".")[-1], str(packet).split(".")[-1])] += 1
         return func(*args, **(kwargs or {}))
