@@ -19,7 +19,7 @@ from . import safetensors_io as sio
 from .boxes import full_box
 from .codec import ST_TO_TORCH
 from .comm import Comm
-from .reader import _Loader, _Read
+from .reader import Loader, Read
 from .snapshot import Snapshot
 
 
@@ -58,7 +58,7 @@ def consolidate(path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *
     snapshot = Snapshot(path)
     try:
         index = snapshot.index
-        loader = _Loader(Comm.single(), snapshot)
+        loader = Loader(Comm.single(), snapshot)
         model_files = loader.digest_share({"model"})
         loader.digests = model_files if verify else set()
         snapshot.open(model_files)
@@ -74,7 +74,7 @@ def consolidate(path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *
         total = 0
         for target, group in zip(targets, groups):
             tensors = {}
-            reads: list[_Read] = []
+            reads: list[Read] = []
             for name in group:
                 entry = index.model[index.aliases.get(name, name)]
                 tensors[name] = torch.empty(entry.shape, dtype=ST_TO_TORCH[entry.dtype])

@@ -39,7 +39,9 @@ _OPEN_ATTEMPTS = 3  # a writer may delete the generation we opened before we ope
 
 
 @dataclass
-class _Read:
+class Read:
+    """One contiguous read: a box of a stored tensor into a destination view (also consolidate.py's)."""
+
     file: str
     key: str
     src: Box  # the part of the stored chunk tensor, relative to the chunk
@@ -61,11 +63,13 @@ class _OptimLocal:
         return self.local
 
 
-class _Loader:
+class Loader:
+    """Plans and runs one generation's reads: model tensors in place, side state into fresh memory."""
+
     def __init__(self, comm: Comm, snapshot: Snapshot) -> None:
         self.comm, self.snap, self.index = comm, snapshot, snapshot.index
-        self.model_reads: list[_Read] = []
-        self.side_reads: list[_Read] = []  # optimizer state and blobs: fresh memory, read before the model
+        self.model_reads: list[Read] = []
+        self.side_reads: list[Read] = []  # optimizer state and blobs: fresh memory, read before the model
         self.optim_locals: dict[tuple[str, str], _OptimLocal] = {}
         self.blobs: dict[str, torch.Tensor] = {}
         self.structure: dict[str, Signature] = {}
@@ -75,10 +79,10 @@ class _Loader:
     def where(self) -> str:
         return os.path.join(self.snap.path, fmt.INDEX_FILE)
 
-    def add(self, reads: list[_Read], entry: fmt.TensorEntry, held: Box, dst: torch.Tensor) -> None:
+    def add(self, reads: list[Read], entry: fmt.TensorEntry, held: Box, dst: torch.Tensor) -> None:
         """Plan reading box ``held`` of ``entry`` into ``dst``: only the stored parts that overlap it."""
         for chunk, part in overlaps(entry.chunks, held):
-            reads.append(_Read(chunk.file, chunk.key, part.relative_to(chunk.box), dst[part.slices(held)]))
+            reads.append(Read(chunk.file, chunk.key, part.relative_to(chunk.box), dst[part.slices(held)]))
 
     def plan_model(self, model: nn.Module, strict: bool) -> None:
         views, aliases = model_views(model)
@@ -169,8 +173,8 @@ class _Loader:
             if name in self.digests:
                 self.snap.verify_digest(name)
 
-    def run(self, reads: list[_Read]) -> None:
-        by_file: dict[str, list[_Read]] = defaultdict(list)
+    def run(self, reads: list[Read]) -> None:
+        by_file: dict[str, list[Read]] = defaultdict(list)
         for r in reads:
             by_file[r.file].append(r)
         with torch.no_grad():
@@ -215,12 +219,12 @@ class _Loader:
 
 
 def _open(comm: Comm, path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool,
-          verify: bool) -> _Loader:
+          verify: bool) -> Loader:
     """Phase 1 on this rank: one generation opened, matched and planned (retried if it vanished)."""
     for attempt in range(_OPEN_ATTEMPTS):
         snapshot = Snapshot(path)
         try:
-            loader = _Loader(comm, snapshot)
+            loader = Loader(comm, snapshot)
             loader.plan_model(model, strict)
             if optimizer is not None:
                 loader.plan_optimizer(model, optimizer, strict)
@@ -254,7 +258,7 @@ def load(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.
     path = os.path.abspath(os.fspath(path))
     what = f"checkpoint.load({path!r})"
     facts: dict[str, Any] = {"optimizer passed": optimizer is not None, "strict, verify": [strict, verify]}
-    loader: _Loader | None = None
+    loader: Loader | None = None
     try:
         with comm.phase(f"{what}: opening", facts=facts):
             loader = _open(comm, path, model, optimizer, strict, verify)
