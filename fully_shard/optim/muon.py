@@ -216,12 +216,15 @@ class Muon(Optimizer):
             return None  # a plain (replicated) matrix: every rank orthogonalizes it, as torch would
         mesh, placements = p.device_mesh, tuple(p.placements)
         dim_names = tuple(mesh.mesh_dim_names or ())
+        sharded = [(d, pl) for d, pl in enumerate(placements) if not isinstance(pl, Replicate)]
+        if p.ndim == 3 and all(getattr(pl, "dim", None) == 0 for _, pl in sharded):
+            return None  # experts split over E only (EP and/or FSDP): each rank holds whole experts
         if "ep" in dim_names:
             raise ValueError(
-                f"Muon: parameter {name!r} lives on a mesh with an expert-parallel dim {dim_names}; expected a "
-                "fully_shard mesh. Expert-parallel parameters are not supported by Muon yet. Fix: route "
-                "it to AdamW (algorithm='adamw').")
-        sharded = [(d, pl) for d, pl in enumerate(placements) if not isinstance(pl, Replicate)]
+                f"Muon: expert parameter {name!r} (shape {tuple(p.shape)}) has placements {placements} on "
+                f"{dim_names}; expected every sharded mesh dim to split the experts (dim 0), so that each rank "
+                "holds whole [m, n] matrices. Fix: shard experts with Shard(0) (efsdp x ep <= E), or route the "
+                "parameter to AdamW (algorithm='adamw').")
         if not sharded:
             return None
         if len(sharded) != 1 or type(sharded[0][1]) is not Shard or sharded[0][1].dim != 0:
@@ -231,8 +234,8 @@ class Muon(Optimizer):
                 "Replicate() dims (HSDP). Tensor-parallel (2-D sharded) matrices are not supported. Fix: shard "
                 "the module with fully_shard only, or route the parameter to AdamW (algorithm='adamw').")
         group_pg = mesh.get_group(sharded[0][0])
-        if dist.get_world_size(group_pg) == 1 or p.ndim == 3:
-            return None  # one rank, or whole experts on every rank: Newton-Schulz on the local rows
+        if dist.get_world_size(group_pg) == 1:
+            return None  # one rank: Newton-Schulz on the local rows
         return group_pg
 
     # --- the step ----------------------------------------------------------------------------------

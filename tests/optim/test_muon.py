@@ -166,7 +166,7 @@ def _bad_input() -> dict[str, str]:
     col = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)]))
     refused("shard(1)", lambda: Muon([("tp.weight", col)]))
     ep_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
-    expert = nn.Parameter(distribute_tensor(torch.randn(4, 8, 6), ep_mesh, [Shard(0)]))
+    expert = nn.Parameter(distribute_tensor(torch.randn(4, 8, 6), ep_mesh, [Shard(1)]))  # rows of each expert split
     refused("ep", lambda: Muon([("experts.w1", expert)]))
     refused("blocks", lambda: Muon([{"params": [named["blocks.0.up.weight"]], "param_names": ["blocks.0.up.weight"],
                                      "ns_blocks": 2}]))
@@ -196,7 +196,7 @@ def test_bad_input_names_the_parameter() -> None:
     assert "'blocks.0.norm1.weight'" in errors["1-d"] and "(60,)" in errors["1-d"]
     assert "muon_param_groups" in errors["1-d"]  # the fix
     assert "'tp.weight'" in errors["shard(1)"] and "Shard(dim=1)" in errors["shard(1)"]
-    assert "'experts.w1'" in errors["ep"] and "expert-parallel" in errors["ep"]
+    assert "'experts.w1'" in errors["ep"] and "whole [m, n] matrices" in errors["ep"]
     assert "'blocks.0.up.weight'" in errors["blocks"] and "ns_blocks=2" in errors["blocks"]
     assert "'blocks.0.proj.weight'" in errors["grad"] and "gradient" in errors["grad"]
     assert "build the optimizer after fully_shard" in errors["before"]
@@ -374,3 +374,26 @@ def test_state_dict_dcp_and_checkpoint_at_another_world_size(tmp_path: Path) -> 
     dcp_path, ck_path = str(tmp_path / "dcp"), str(tmp_path / "ck")
     assert all(d <= TOL for d in _save_w2(dcp_path, ck_path))
     assert all(d <= TOL for d in _load_w3(ck_path))
+
+
+@distributed(world_size=2)
+def _expert_parallel_experts() -> float:
+    """Experts Shard(0) on an ``ep`` mesh (each rank holds whole experts): per-expert Newton-Schulz on the
+    local experts, equal to the same Muon over the whole stack in one process."""
+    torch.manual_seed(0)
+    full = torch.randn(4, 8, 6)
+    grads = [torch.randn(4, 8, 6) for _ in range(3)]
+    ep_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    expert = nn.Parameter(distribute_tensor(full.clone(), ep_mesh, [Shard(0)]))
+    plain = nn.Parameter(full.clone())
+    opts = [Muon([("experts.w1", expert)], lr=0.02), Muon([("experts.w1", plain)], lr=0.02)]
+    for g in grads:
+        expert.grad = distribute_tensor(g.clone(), ep_mesh, [Shard(0)])
+        plain.grad = g.clone()
+        for opt in opts:
+            opt.step()
+    return float((expert.full_tensor() - plain.detach()).abs().max())
+
+
+def test_expert_parallel_experts_step_locally() -> None:
+    assert max(_expert_parallel_experts()) < 1e-6
