@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import collectives, trace
+
 __all__ = ["ExchangeStats", "Pending", "all_gather_rows", "all_to_all_rows", "check_same_plan"]
 
 
@@ -60,6 +62,12 @@ class Pending:
         return self._out.view(self._dtype) if self._out.dtype != self._dtype else self._out
 
 
+def _observed(name: str, sent: int, world: int) -> None:
+    """The profiler's record of an optimizer collective (``fully_shard.profile``: the step summary)."""
+    trace.emit_if_observed(trace.EventKind.OPTIMIZER_COLLECTIVE, trace.OPTIMIZER_UNIT, trace.Phase.OPTIMIZER,
+                           nbytes=sent, group_size=world, issued_as=name)
+
+
 def _wire(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -71,8 +79,9 @@ def all_to_all_rows(send: torch.Tensor, *, send_splits: Sequence[int], recv_spli
     rank = dist.get_rank(group)
     size = send.element_size()
     out = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
-    stats.add("all_to_all", (sum(send_splits) - send_splits[rank]) * size,
-              (sum(recv_splits) - recv_splits[rank]) * size)
+    sent = (sum(send_splits) - send_splits[rank]) * size
+    stats.add("all_to_all", sent, (sum(recv_splits) - recv_splits[rank]) * size)
+    _observed("all_to_all", sent, dist.get_world_size(group))
     work = dist.all_to_all_single(_wire(out), _wire(send.contiguous()), output_split_sizes=list(recv_splits),
                                   input_split_sizes=list(send_splits), group=group, async_op=async_op)
     return Pending(work, _wire(out), send.dtype)
@@ -90,8 +99,8 @@ def all_gather_rows(local: torch.Tensor, *, chunk: int, group: dist.ProcessGroup
     out = torch.empty(world * chunk, dtype=local.dtype, device=local.device)
     nbytes = (world - 1) * chunk * local.element_size()
     stats.add("all_gather", nbytes, nbytes)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    work = gather(_wire(out), _wire(padded), group=group, async_op=async_op)
+    _observed("all_gather", nbytes, world)
+    work = collectives.all_gather_into(_wire(out), _wire(padded), group, async_op=async_op)
     return Pending(work, out.view(world, chunk), local.dtype)
 
 

@@ -21,12 +21,14 @@ class EventKind(enum.Enum):
     REDUCE_SCATTER = "reduce_scatter"  # gradient reduce-scatter issued
     ALL_REDUCE = "all_reduce"  # HSDP gradient all-reduce across replicas issued
     REDUCE_DONE = "reduce_done"  # reduced sharded gradients assigned to .grad
+    OPTIMIZER_COLLECTIVE = "optimizer_collective"  # issued by an optimizer step (Muon's row exchange)
 
 
 class Phase(enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
     EXPLICIT = "explicit"  # user called unshard()/reshard() outside forward/backward
+    OPTIMIZER = "optimizer"  # inside optimizer.step()
 
 
 @dataclass
@@ -68,6 +70,8 @@ class TraceEvent:
         """``"unshard blocks.0"``: compact form for order assertions."""
         return f"{self.kind.value} {self.fqn or '<root>'}"
 
+
+OPTIMIZER_UNIT = "<optimizer>"  # the fqn of optimizer collectives' events
 
 Observer = Callable[[TraceEvent], None]
 _observers: list[Observer] = []

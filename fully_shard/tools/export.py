@@ -58,7 +58,8 @@ def summary_lines(s: dict[str, Any], reduce_dtypes: str) -> list[str]:
         f"expected {s['expected_bytes_over_model']:.2f}x (2x, +1x for units resharded after forward)"
         + (f"; the gradients are reduced in {reduce_dtypes}" if reduce_dtypes else ""),
         f"peak memory ({s['memory_kind']}) {peak}",
-    ]
+    ] + ([f"optimizer step: {s['optimizer_collectives']:g} collectives, {fmt_bytes(s['optimizer_bytes'])} sent per "
+          "step (not counted in bytes/step)"] if s.get("optimizer_collectives") else [])
 
 
 def _fmt_count(x: float) -> str:

@@ -47,7 +47,8 @@ from .memory import current_memory, peak_memory, reset_peak_memory
 from .records import Collective, CommStats, StepStats, UnitStats
 from .timing import synchronize
 
-_COLLECTIVES = (trace.EventKind.ALL_GATHER, trace.EventKind.REDUCE_SCATTER, trace.EventKind.ALL_REDUCE)
+_COLLECTIVES = (trace.EventKind.ALL_GATHER, trace.EventKind.REDUCE_SCATTER, trace.EventKind.ALL_REDUCE,
+                trace.EventKind.OPTIMIZER_COLLECTIVE)
 _UNIT_COMMS = ("all_gather_forward", "all_gather_backward", "all_gather_explicit", "reduce_scatter", "all_reduce")
 
 
@@ -157,7 +158,8 @@ class Profiler:
         collectives = [self._resolve(e, t_end) for e in self._events]
         units = {u["unit"]: UnitStats(u["unit"], gathered_bytes=u["gathered_bytes"]) for u in self.units()}
         for c in collectives:
-            _stats_of(units.setdefault(c.unit, UnitStats(c.unit)), c).add(c)
+            if c.kind != trace.EventKind.OPTIMIZER_COLLECTIVE.value:  # the optimizer's: in the summary only
+                _stats_of(units.setdefault(c.unit, UnitStats(c.unit)), c).add(c)
         for fqn, mem in self._mem_samples.items():
             if fqn in units:
                 units[fqn].memory_at_unshard = mem
@@ -218,6 +220,7 @@ class Profiler:
         ag = sum(s.bytes_of("all_gather") for s in steps) / n
         rs = sum(s.bytes_of("reduce_scatter") for s in steps) / n
         ar = sum(s.bytes_of("all_reduce") for s in steps) / n
+        optimizer = [c for s in steps for c in s.collectives if c.kind == trace.EventKind.OPTIMIZER_COLLECTIVE.value]
         model_bytes = self.model_bytes()
         return {
             "steps": n,
@@ -232,6 +235,8 @@ class Profiler:
             "all_gather_bytes": ag,
             "reduce_scatter_bytes": rs,
             "all_reduce_bytes": ar,
+            "optimizer_collectives": len(optimizer) / n,  # per step, sent by this rank (e.g. Muon's exchange)
+            "optimizer_bytes": sum(c.nbytes for c in optimizer) / n,
             "bytes_per_step": ag + rs,
             "model_bytes": model_bytes,
             "bytes_over_model": (ag + rs) / model_bytes if model_bytes else 0.0,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 class Collective:
     """One collective of one step, times in seconds on the host's ``perf_counter`` clock."""
 
-    kind: str  # all_gather | reduce_scatter | all_reduce
+    kind: str  # all_gather | reduce_scatter | all_reduce | optimizer_collective
     unit: str  # the unit's module FQN ("" for the root)
     phase: str  # forward | backward | explicit
     nbytes: int

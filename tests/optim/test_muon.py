@@ -397,3 +397,32 @@ def _expert_parallel_experts() -> float:
 
 def test_expert_parallel_experts_step_locally() -> None:
     assert max(_expert_parallel_experts()) < 1e-6
+
+
+@distributed(world_size=2)
+def _profiled() -> dict[str, Any]:
+    from fully_shard import profile
+    from tests.models import loss_fn
+    from tests.policies.common import local_slice
+
+    torch.manual_seed(0)
+    model = shard_gpt(TinyGPT(n_blocks=2))
+    opt = Muon(muon_param_groups(model), lr=0.02)
+    sent, calls = [], []
+    with profile(model) as prof:
+        for x, y in batches(2):
+            loss_fn(model(local_slice(x)), local_slice(y)).backward()
+            opt.step()
+            opt.zero_grad()
+            sent.append(opt.comm_stats.total_sent())
+            calls.append(sum(n for name, n in opt.comm_stats.calls.items() if name != "plan_check"))
+            prof.step()
+    return {"summary": prof.summary(), "table": prof.table(), "sent": sent, "calls": calls}
+
+
+def test_profiler_counts_the_optimizer_collectives() -> None:
+    for r in _profiled():
+        s = r["summary"]
+        assert r["calls"][0] > 0 and s["optimizer_collectives"] == sum(r["calls"]) / len(r["calls"]), (s, r["calls"])
+        assert s["optimizer_bytes"] == sum(r["sent"]) / len(r["sent"]), (s, r["sent"])
+        assert "optimizer step:" in r["table"], r["table"]
