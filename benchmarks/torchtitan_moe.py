@@ -1,6 +1,6 @@
 """torchtitan's own ``apply_fsdp_to_decoder`` (expert parallel, ep 2) on this library after ``compat.patch_torch()``.
 
-    pip install --no-deps torchtitan==0.3.0      # outside the project's dependencies; or point --torchtitan at a checkout
+    pip install --no-deps torchtitan==0.3.0      # not a dependency; or pass --torchtitan DIR (a checkout)
     python benchmarks/torchtitan_moe.py          # launches 4 gloo ranks itself
 
 torchtitan's ``distributed/fsdp.py`` is loaded from its file, unchanged (its package ``__init__`` pulls in
@@ -10,7 +10,8 @@ library's names, ``ShardPlacementResult`` and ``_get_mesh_info`` included) and o
 ``dp`` 4; experts on ``(efsdp 2, ep 2)``). Each side trains 3 SGD steps with torchtitan's loss convention
 (the divide factor 1.0 its function sets, a loss summed over tokens and divided by the global count);
 prints the placements, losses, and the gaps. On gloo torch's side needs ``set_force_sum_reduction_for_comms``
-(its factor 1.0 is NCCL's ``PREMUL_SUM``); ours runs as torchtitan calls it. Exits non-zero if the losses or placements differ.
+(its factor 1.0 is NCCL's ``PREMUL_SUM``); ours runs as torchtitan calls it. Exits non-zero if the losses
+or placements differ.
 """
 
 from __future__ import annotations
@@ -118,8 +119,8 @@ def main() -> None:
     for name in ours["placements"]:
         if "experts" in name:
             print(f"  {name}: ours {ours['placements'][name]} | torch {ref['placements'][name]}")
-    print(f"losses ours  {['%.6f' % x for x in ours['losses']]}")
-    print(f"losses torch {['%.6f' % x for x in ref['losses']]}")
+    print(f"losses ours  {[f'{x:.6f}' for x in ours['losses']]}")
+    print(f"losses torch {[f'{x:.6f}' for x in ref['losses']]}")
     gap = max(abs(a - b) for a, b in zip(ours["losses"], ref["losses"]))
     same_placements = ours["placements"] == ref["placements"]
     print(f"max loss gap {gap:.2e}; placements equal: {same_placements}")
