@@ -88,9 +88,15 @@ def ns_cost(spec: MatrixSpec) -> int:
     return spec.blocks * s * s * (2 * long + s)
 
 
+def _shape(spec: MatrixSpec) -> tuple[int, int, int]:
+    return (spec.rows, spec.cols, spec.blocks)
+
+
 def plan_owners(specs: Sequence[MatrixSpec], world: int, *, per_bucket: int = 1) -> OwnerPlan:
-    """Assign each matrix an owner rank (LPT on ``ns_cost``, ties to the lower index and the lower rank)
-    and cut the owners' lists into buckets of ``per_bucket`` matrices per owner."""
+    """Assign each matrix an owner rank and cut the owners' lists into buckets of ``per_bucket`` matrices
+    per owner. Largest ``ns_cost`` first; each to the rank owning the fewest matrices of its shape, then
+    the least loaded (LPT), then the lower rank: repeated shapes (a transformer's layers) spread evenly,
+    which balances both the Newton-Schulz work and the bytes each rank moves."""
     if world < 1:
         raise ValueError(f"plan_owners: expected world >= 1, found world={world}. Fix: pass the process "
                          "group's size.")
@@ -103,13 +109,18 @@ def plan_owners(specs: Sequence[MatrixSpec], world: int, *, per_bucket: int = 1)
             raise ValueError(f"plan_owners: matrix {spec.name!r} has rows={spec.rows}, cols={spec.cols}, "
                              f"blocks={spec.blocks}; expected non-negative sides and blocks dividing rows. Fix: "
                              "choose a block count that divides the matrix's rows.")
-    order = sorted(range(len(specs)), key=lambda i: (-ns_cost(specs[i]), i))
+    order = sorted(range(len(specs)), key=lambda i: (-ns_cost(specs[i]), _shape(specs[i]), i))
     load = [0] * world
     owner = [0] * len(specs)
     lists: list[list[int]] = [[] for _ in range(world)]
+    copies: dict[tuple[int, int, int], list[int]] = {}  # per shape: how many of its matrices each rank owns
     for i in order:
-        rank = min(range(world), key=lambda r: (load[r], len(lists[r]), r))
+        have = copies.setdefault(_shape(specs[i]), [0] * world)
+        # the ranks with fewest matrices of this shape, then least loaded: each shape spread evenly (so the
+        # bytes each rank moves stay ~2/W, not only the work), the remainders to the least loaded ranks
+        rank = min(range(world), key=lambda r: (have[r], load[r], len(lists[r]), r))
         owner[i] = rank
+        have[rank] += 1
         load[rank] += ns_cost(specs[i])
         lists[rank].append(i)
     buckets = []
