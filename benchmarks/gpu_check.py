@@ -61,20 +61,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import GPT, ROOT, loss_fn, synthetic_batch
 
-from examples.train_gpt import GPTConfig
-from fully_shard.tools.memory import current_memory, peak_memory, reset_peak_memory
+try:
+    from _common import GPT, ROOT, loss_fn, synthetic_batch
+
+    from examples.train_gpt import GPTConfig
+    from fully_shard.tools.memory import current_memory, peak_memory, reset_peak_memory
+except Exception as _e:  # the library or torch's FSDP may not import on this torch: say so, do not crash
+    traceback.print_exc()
+    print(f"CHECK FAILED: cannot import the library / the benchmark model with torch {torch.__version__}: "
+          f"{type(_e).__name__}: {_e}", file=sys.stderr)
+    raise SystemExit(1) from None
 
 RESULTS = ROOT / "benchmarks" / "results"
 H200_BF16_FLOPS = 989e12
 VARIANTS = ("fsdp", "hsdp", "reshard_2", "cpu_offload")
 CSAN_MARKER = "CSAN detected a possible data race"
 MIB = 2**20
-
-
-class CheckFailed(AssertionError):
-    pass
 
 
 # --- configuration ---------------------------------------------------------------------------------
