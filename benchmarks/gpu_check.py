@@ -30,10 +30,12 @@ crash in one still leaves the others' figures in the result file. Parts:
    torch's within bf16 noise. Then ``fully_shard.profile`` on this library's model: one all-gather per
    unit per forward, bytes, backward re-gathers, exposed <= time (the old script's checks).
 
-``--cpu-dry-run`` runs the same parts on the CPU with tiny models (part 2's child runs under the
-sanitizer on CPU to exercise its plumbing); memory figures are RSS; every CUDA-only check reports
-"skipped: no CUDA". Without the flag and without CUDA the script fails. ``--quick`` shrinks further
-(the test suite: tests/tools/test_gpu_check.py). It uses public torch APIs plus
+``--cpu-dry-run`` runs the same parts on the CPU with tiny models; memory figures are RSS; every
+CUDA-only check reports "skipped: no CUDA". CSAN cannot be enabled without CUDA, so the dry run's part 2
+runs the CUDA branch on the library's stream stand-in instead (tests/distributed/stream_standin.py:
+simulated streams and allocator reuse, every race logged) and checks it logged none. Without the
+flag and without CUDA the script fails. ``--quick`` shrinks further (tests/tools/test_gpu_check.py runs
+``--cpu-dry-run --quick``; tests/tools/test_gpu.py runs ``--quick`` on a GPU). It uses public torch APIs plus
 ``torch.testing._internal.distributed.fake_pg.FakeStore``; what the installed torch lacks is listed in
 the output and the parts needing it are reported as not run.
 """
@@ -77,6 +79,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 H200_BF16_FLOPS = 989e12
 VARIANTS = ("fsdp", "hsdp", "reshard_2", "cpu_offload")
 CSAN_MARKER = "CSAN detected a possible data race"
+STANDIN_MARKER = "stream stand-in violation"  # the CPU dry run's stand-in for CSAN
 MIB = 2**20
 
 
@@ -211,6 +214,33 @@ def run_memory_variant(base: GPT, lib: str, variant: str, x: torch.Tensor, y: to
     return rec
 
 
+def run_under_stand_in(base: GPT, variant: str, x: torch.Tensor, y: torch.Tensor, steps: int) -> dict[str, Any]:
+    """CPU dry run of part 2: CSAN needs CUDA, so the CUDA branch runs on the library's stream stand-in
+    (tests/distributed/stream_standin.py: simulated streams and allocator reuse; it logs every race)."""
+    from fully_shard.comm import streams
+    from tests.distributed.stream_standin import StreamStandIn
+
+    with StreamStandIn() as sim, streams.stand_in(sim):
+        model = copy.deepcopy(base)
+        shard(model, "ours", mesh_for(variant, "cpu"), 2 if variant == "reshard_2" else True,
+              variant == "cpu_offload", False)
+        if variant == "cpu_offload":
+            sim.mark_host(list(model.parameters()))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        losses = []
+        for _ in range(1 + steps):
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+        del model, opt, loss
+        gc.collect()
+    for v in sim.violations:
+        print(f"{STANDIN_MARKER}: {v}", file=sys.stderr, flush=True)
+    return {"losses": losses, "stand_in_violations": len(sim.violations), "stand_in_waits": len(sim.log)}
+
+
 def stream_trace(model: GPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
     """One step under torch.profiler: which streams the kernels ran on (GEMMs = the compute stream)."""
     from torch.profiler import ProfilerActivity, profile
@@ -272,9 +302,12 @@ def part_memory(args: argparse.Namespace, out: str, libs: tuple[str, ...], varia
             print(f"=== {lib}/{variant} ===", file=sys.stderr, flush=True)
             log(f"{lib}/{variant}", t0)
             try:
-                rec = run_memory_variant(base, lib, variant, x, y, device, steps,
-                                         trace_streams=(not csan and lib == "ours" and variant == "fsdp"
-                                                        and device.type == "cuda"))
+                if csan and device.type == "cpu" and lib == "ours":
+                    rec = run_under_stand_in(base, variant, x, y, steps)
+                else:
+                    rec = run_memory_variant(base, lib, variant, x, y, device, steps,
+                                             trace_streams=(not csan and lib == "ours" and variant == "fsdp"
+                                                            and device.type == "cuda"))
             except Exception as e:
                 rec = {"error": error_text(e), "traceback": traceback.format_exc()[-3000:]}
                 print(rec["traceback"], file=sys.stderr, flush=True)
@@ -563,7 +596,12 @@ def report_memory(rep: Report, data: dict[str, Any] | None, cuda: bool) -> None:
 
 
 def report_csan(rep: Report, data: dict[str, Any] | None, stderr: str, cuda: bool) -> None:
-    rep.say("\n== Part 2: this library under TORCH_CUDA_SANITIZER=1 (fake process group, world 8) ==")
+    if cuda:
+        rep.say("\n== Part 2: this library under TORCH_CUDA_SANITIZER=1 (fake process group, world 8) ==")
+    else:
+        rep.say("\n== Part 2 (CPU dry run): CSAN needs CUDA; this library's CUDA branch on the stream stand-in "
+                "(fake process group, world 8) ==")
+    marker, what = (CSAN_MARKER, "CSAN reports") if cuda else (STANDIN_MARKER, "stand-in violations")
     sections: dict[str, str] = {}
     current = ""
     for line in stderr.splitlines(keepends=True):
@@ -572,26 +610,30 @@ def report_csan(rep: Report, data: dict[str, Any] | None, stderr: str, cuda: boo
             continue
         sections[current] = sections.get(current, "") + line
     first: str | None = None
-    for key in [f"ours/{v}" for v in VARIANTS] + ["torch/fsdp"]:
+    for key in [f"ours/{v}" for v in VARIANTS] + ["torch/fsdp"] * cuda:
         lib, variant = key.split("/")
         rec = (data or {}).get("variants", {}).get(variant, {}).get(lib)
         text = sections.get(key, "")
-        n = text.count(CSAN_MARKER)
+        if not cuda and rec is not None and "error" not in rec:  # the stand-in really ran the CUDA branch
+            rep.check("2 csan", f"{key}: the stand-in saw stream waits", rec.get("stand_in_waits", 0) > 0,
+                      f"{rec.get('stand_in_waits')} waits logged")
+        n = text.count(marker)
         err = None if rec is None else rec.get("error")
         status = "not run" if rec is None else (f"{len(rec['losses'])} steps" if err is None else err)
-        rep.say(f"{key:<18} CSAN reports: {n}; {status}")
+        rep.say(f"{key:<18} {what}: {n}; {status}")
         if n and first is None:
-            i = text.index(CSAN_MARKER)
+            i = text.index(marker)
             first = f"{key}:\n" + "\n".join(text[max(0, i - 200):].splitlines()[:60])
         if lib == "torch":
             continue  # the control: reported, not checked
-        skip = None if cuda else "skipped: no CUDA (the child ran on CPU without the sanitizer: plumbing only)"
-        rep.check("2 csan", f"{key}: no CSAN reports", n == 0, f"{n} report(s)", skip=skip)
-        rep.check("2 csan", f"{key}: runs{' under the sanitizer' if cuda else ' (no sanitizer on CPU)'}",
+        rep.check("2 csan", f"{key}: no {what}", n == 0, f"{n} report(s)")
+        rep.check("2 csan", f"{key}: runs under {'the sanitizer' if cuda else 'the stand-in'}",
                   rec is not None and err is None,
                   status if err is None else f"{err} (a CSAN report raises CUDASanitizerErrors)")
+    if not cuda:
+        rep.check("2 csan", "TORCH_CUDA_SANITIZER run", None, "", skip="skipped: no CUDA")
     if first:
-        rep.say("first CSAN report:\n" + first)
+        rep.say(f"first of the {what}:\n" + first)
 
 
 def report_step(rep: Report, data: dict[str, Any] | None, cuda: bool) -> None:
@@ -756,6 +798,8 @@ def main() -> int:
         part_memory(args, args.out, ("ours", "torch"), VARIANTS, 2, csan=False)
     elif args.part == "csan":
         part_memory(args, args.out, ("ours",), VARIANTS, 1, csan=True)
+        if args.cpu_dry_run:
+            return 0
         # the control, in the same process: torch's fully_shard FSDP variant
         data = json.loads(Path(args.out).read_text())
         part_memory(args, args.out + ".torch", ("torch",), ("fsdp",), 1, csan=True)
