@@ -43,6 +43,7 @@ the output and the parts needing it are reported as not run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import gc
@@ -81,6 +82,7 @@ VARIANTS = ("fsdp", "hsdp", "reshard_2", "cpu_offload")
 CSAN_MARKER = "CSAN detected a possible data race"
 STANDIN_MARKER = "stream stand-in violation"  # the CPU dry run's stand-in for CSAN
 MIB = 2**20
+CHILD: subprocess.Popen[bytes] | None = None  # the part running now (the orchestrator kills it on SIGTERM)
 
 
 # --- configuration ---------------------------------------------------------------------------------
@@ -99,7 +101,7 @@ class Sizes:
 def sizes(args: argparse.Namespace) -> Sizes:
     if args.cpu_dry_run:
         tiny = GPTConfig(vocab=256, dim=64, blocks=2, heads=4, seq=32)
-        return Sizes(tiny, 2, tiny, tiny, 2, 1, 2 if args.quick else 3, False)
+        return Sizes(tiny, 2, tiny, tiny, 2, 1, 1 if args.quick else 3, False)
     if args.quick:
         small = GPTConfig(vocab=4096, dim=256, blocks=4, heads=4, seq=256)
         return Sizes(small, 2, small, GPTConfig(vocab=8192, dim=512, blocks=4, heads=8, seq=512), 4, 2, 4, True)
@@ -254,11 +256,21 @@ def stream_trace(model: GPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: tor
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
+    return analyze_kernels(events)
+
+
+def analyze_kernels(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Kernels per stream in a chrome trace: the GEMM (compute) streams, the rest, and their overlap."""
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e and "stream" in e.get("args", {})]
     def is_gemm(name: str) -> bool:
         n = name.lower()
         return any(s in n for s in ("gemm", "sm90", "cutlass", "nvjet", "flash", "fmha"))
     gemm_streams = sorted({k["args"]["stream"] for k in kernels if is_gemm(k["name"])})
+    if not gemm_streams and kernels:  # unknown GEMM kernel names: the busiest stream runs the model
+        busy: dict[int, float] = {}
+        for k in kernels:
+            busy[k["args"]["stream"]] = busy.get(k["args"]["stream"], 0.0) + float(k["dur"])
+        gemm_streams = [max(busy, key=lambda st: busy[st])]
     side = [k for k in kernels if k["args"]["stream"] not in gemm_streams]
     compute = sorted((float(k["ts"]), float(k["ts"]) + float(k["dur"]))
                      for k in kernels if k["args"]["stream"] in gemm_streams)
@@ -515,7 +527,8 @@ def run_child(part: str, args: argparse.Namespace, timeout: float, workdir: Path
     so, se = workdir / f"{part}.out", workdir / f"{part}.err"
     why = None
     with open(so, "w") as fo, open(se, "w") as fe:
-        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env, cwd=ROOT, start_new_session=True)
+        global CHILD
+        proc = CHILD = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env, cwd=ROOT, start_new_session=True)
         try:
             rc = proc.wait(timeout=max(timeout, 1.0))
             if rc != 0:
@@ -524,6 +537,8 @@ def run_child(part: str, args: argparse.Namespace, timeout: float, workdir: Path
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             why = f"timed out after {timeout:.0f} s (the time budget)"
+        finally:
+            CHILD = None
     data = json.loads(out.read_text()) if out.exists() else None
     return data, so.read_text(errors="replace"), se.read_text(errors="replace"), why
 
@@ -788,14 +803,38 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
+def exit_when_orphaned() -> None:
+    """A child exits when the orchestrator is gone (killed by a timeout of its own caller): a part in
+    its own session would otherwise outlive it and hold the GPU."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main() -> int:
     args = parse_args()
     if args.part is None:
+        def stop(signum: int, _frame: object) -> None:  # SIGTERM/SIGINT: take the running part down too
+            if CHILD is not None:
+                with contextlib.suppress(OSError):
+                    os.killpg(CHILD.pid, signal.SIGKILL)
+            raise SystemExit(128 + signum)
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
         return orchestrate(args)
+    exit_when_orphaned()
     if args.cpu_dry_run:
         torch.set_num_threads(1)
     if args.part == "memory":
-        part_memory(args, args.out, ("ours", "torch"), VARIANTS, 2, csan=False)
+        part_memory(args, args.out, ("ours", "torch"), VARIANTS, 1 if args.quick else 2, csan=False)
     elif args.part == "csan":
         part_memory(args, args.out, ("ours",), VARIANTS, 1, csan=True)
         if args.cpu_dry_run:
