@@ -52,26 +52,36 @@ def _train(model: nn.Module, steps: int, *, hook: Callable[[nn.Module, int, int]
     return losses
 
 
+def _both(train: Callable[[StreamStandIn | None], list[float]]) -> dict[str, Any]:
+    """``train(None)`` on the CPU branch, then ``train(device)`` on the CUDA branch through the stand-in
+    (each builds its model from the same weights): the losses of both and what the stand-in saw."""
+    cpu_losses = train(None)
+    with StreamStandIn() as device, streams.stand_in(device):
+        losses = train(device)
+        gc.collect()
+    return {"violations": device.violations, "losses": losses, "cpu_losses": cpu_losses, "device": device}
+
+
 def _run(shard: Callable[[TinyGPT], nn.Module], *, steps: int = 2, micro: int = 1,
          hook: Callable[[nn.Module, int, int], None] | None = None, offload: bool = False) -> dict[str, Any]:
     """Train the stand-in's CUDA branch and the CPU branch from the same weights (``offload``: the
     sharded parameters are host memory, as CPUOffloadPolicy puts them)."""
     torch.manual_seed(0)
     ref = TinyGPT()
-    cpu_losses = _train(shard(copy.deepcopy(ref)), steps, hook=hook, micro=micro)
-    with StreamStandIn() as device, streams.stand_in(device):
+
+    def train(device: StreamStandIn | None) -> list[float]:
         model = shard(copy.deepcopy(ref))
-        if offload:
+        if offload and device is not None:
             device.mark_host(list(model.parameters()))
-        losses = _train(model, steps, hook=hook, micro=micro)
-        gc.collect()
+        return _train(model, steps, hook=hook, micro=micro)
+
+    out = _both(train)
     # compute's first wait on each reduce-scatter event, and how many ops that stream had issued since
     first: dict[int, int] = {}
-    for w in device.log:
+    for w in out.pop("device").log:
         if w.waiter == "compute" and w.on == "reduce_scatter" and w.event is not None:
             first.setdefault(w.event, w.lag)
-    return {"violations": device.violations, "losses": losses, "cpu_losses": cpu_losses,
-            "reduce_waits": list(first.values())}
+    return {**out, "reduce_waits": list(first.values())}
 
 
 def _assert_clean(results: list[dict[str, Any]]) -> None:
@@ -231,7 +241,8 @@ def _subclass_unit() -> dict[str, Any]:
     x = torch.randn(4, 32)
     comms: list[_CountingAllGather] = []
 
-    def run(model: nn.Module) -> list[float]:
+    def run(_: StreamStandIn | None) -> list[float]:
+        model = copy.deepcopy(ref)
         for layer in model.layers:  # type: ignore[attr-defined]
             fully_shard(layer)
             comms.append(_CountingAllGather())
@@ -247,12 +258,8 @@ def _subclass_unit() -> dict[str, Any]:
             losses.append(loss.item())
         return losses
 
-    cpu_losses = run(copy.deepcopy(ref))
-    with StreamStandIn() as device, streams.stand_in(device):
-        losses = run(copy.deepcopy(ref))
-        gc.collect()
-    return {"violations": device.violations, "losses": losses, "cpu_losses": cpu_losses,
-            "allocations": [c.allocations for c in comms]}
+    out = _both(run)
+    return {**out, "device": None, "allocations": [c.allocations for c in comms]}
 
 
 def test_tensor_subclass_unit_and_its_custom_all_gather_buffers() -> None:
@@ -273,8 +280,8 @@ def _experts() -> dict[str, Any]:
     dense, edp, ep_mesh = sparse_meshes(2, 2)
     base = MoEModel()
 
-    def run(model: nn.Module) -> list[float]:
-        expert_parallel(model, ep_mesh)
+    def run(_: StreamStandIn | None) -> list[float]:
+        model = expert_parallel(copy.deepcopy(base), ep_mesh)
         fn = lambda p: ShardPlacement(Shard(0), mesh=edp) if is_expert(p) else None  # noqa: E731
         for layer in model.layers:  # type: ignore[attr-defined]
             fully_shard(layer, mesh=dense, shard_placement_fn=fn)
@@ -290,11 +297,7 @@ def _experts() -> dict[str, Any]:
             losses.append(loss.item())
         return losses
 
-    cpu_losses = run(copy.deepcopy(base))
-    with StreamStandIn() as device, streams.stand_in(device):
-        losses = run(copy.deepcopy(base))
-        gc.collect()
-    return {"violations": device.violations, "losses": losses, "cpu_losses": cpu_losses}
+    return {**_both(run), "device": None}
 
 
 def test_expert_parallel_unit_with_two_groups() -> None:
