@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -22,8 +23,12 @@ from torch.distributed.tensor import DTensor, Shard
 from fully_shard import compat
 from tests.distributed.harness import distributed
 from tests.parallel.moe_common import DIM, TOKENS, MoEBlock, expert_parallel, sparse_meshes
+from tests.torch_ref import lacks_name
 
 VOCAB = 16
+# torch < 2.12: no ShardPlacementResult (torch's fully_shard has no per-parameter meshes); the ep path then
+# returns this library's ShardPlacement, and only this library runs it (against the unsharded model)
+TORCH_NO_PLACEMENT_RESULT = lacks_name("torch.distributed.fsdp._fully_shard._fsdp_common", "ShardPlacementResult")
 
 
 class Decoder(nn.Module):
@@ -64,6 +69,13 @@ def apply_fsdp_to_decoder(model: Decoder, dp_mesh: DeviceMesh, ep_degree: int, e
         elif ep_degree == 1:
             fully_shard(block, **config, reshard_after_forward=True,
                         shard_placement_fn=lambda p, e=expert_params: Shard(1) if p in e else None)
+        elif TORCH_NO_PLACEMENT_RESULT:
+            from fully_shard import ShardPlacement
+
+            def ours_fn(p: nn.Parameter, e: set = expert_params, pl: Shard = placement) -> Any:
+                return ShardPlacement(pl, mesh=edp_mesh) if p in e else ShardPlacement(Shard(0), mesh=dp_mesh)
+
+            fully_shard(block, **config, reshard_after_forward=True, shard_placement_fn=ours_fn)
         else:
             from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
             from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
@@ -114,22 +126,30 @@ def _expert_shard_dim(model: Decoder) -> int | None:
     return None
 
 
-def _train(model: Decoder, steps: int) -> list[tuple[float, float]]:
-    """Global-token loss (sum / all tokens of all ranks), AdamW, torchtitan's clipping: (loss, norm)."""
+def _train(model: Decoder, steps: int, unsharded: bool = False) -> list[tuple[float, float]]:
+    """Global-token loss (sum / all tokens of all ranks), AdamW, torchtitan's clipping: (loss, norm).
+    ``unsharded``: the plain model on every rank's tokens at once, torch's clip_grad_norm_."""
     world = dist.get_world_size()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out = []
     for step in range(steps):
         g = torch.Generator().manual_seed(100 + step)
         tokens = torch.randint(0, VOCAB, (world * TOKENS,), generator=g)
-        mine = tokens[dist.get_rank() * TOKENS:(dist.get_rank() + 1) * TOKENS]
-        loss = F.cross_entropy(model(mine), mine.roll(1), reduction="sum") / (world * TOKENS)
-        loss.backward()
-        norm = clip_with_ep(list(model.parameters()), max_norm=0.5)
+        if unsharded:
+            targets = torch.cat([t.roll(1) for t in tokens.split(TOKENS)])
+            loss = F.cross_entropy(model(tokens), targets, reduction="sum") / (world * TOKENS)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+        else:
+            mine = tokens[dist.get_rank() * TOKENS:(dist.get_rank() + 1) * TOKENS]
+            loss = F.cross_entropy(model(mine), mine.roll(1), reduction="sum") / (world * TOKENS)
+            loss.backward()
+            norm = clip_with_ep(list(model.parameters()), max_norm=0.5)
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
-        dist.all_reduce(total)
+        if not unsharded:
+            dist.all_reduce(total)
         out.append((total.item(), norm.item()))
     return out
 
@@ -154,13 +174,17 @@ def _torchtitan() -> dict[str, Any]:
         groups = [len(s._fsdp_param_groups) for s in (compat.fully_shard.state(b) for b in ours.layers.values())]
     finally:
         compat.unpatch_torch()
+    ref = _train(copy.deepcopy(base), 3, unsharded=True)
+    placements = {n: tuple(p.placements) for n, p in ours.named_parameters()}
+    if TORCH_NO_PLACEMENT_RESULT:
+        return {"dims": dims, "ours": ours_losses, "ref": ref, "groups": groups, "placements": placements}
     theirs = expert_parallel(copy.deepcopy(base), ep_mesh)
     apply_fsdp_to_decoder(theirs, dense, 2, edp_mesh)
     for module in theirs.modules():  # torch's factor 1.0 needs NCCL's PREMUL_SUM unless forced to SUM (gloo)
         if hasattr(module, "set_force_sum_reduction_for_comms"):
             module.set_force_sum_reduction_for_comms(True)
-    return {"dims": dims, "ours": ours_losses, "torch": _train(theirs, 3), "groups": groups,
-            "placements": {n: tuple(p.placements) for n, p in ours.named_parameters()},
+    return {"dims": dims, "ours": ours_losses, "ref": ref, "torch": _train(theirs, 3), "groups": groups,
+            "placements": placements,
             "torch_placements": {n: tuple(p.placements) for n, p in theirs.named_parameters()}}
 
 
@@ -168,6 +192,12 @@ def test_torchtitan_apply_fsdp_to_decoder_unchanged_after_patch_torch() -> None:
     for r in _torchtitan():
         assert r["dims"] == {"no_ep_fsdp_gt_experts": 1, "no_ep_fsdp_le_experts": 0, "ep2_gt_experts": 1}, r["dims"]
         assert r["groups"] == [2, 2], r["groups"]
+        for (ours, ours_norm), (ref, ref_norm) in zip(r["ours"], r["ref"], strict=True):
+            assert abs(ours - ref) < 1e-5 and abs(ours_norm - ref_norm) < 1e-5, (r["ours"], r["ref"])
+        if TORCH_NO_PLACEMENT_RESULT:
+            continue
         assert r["placements"] == r["torch_placements"], r
         for (ours, ours_norm), (theirs, theirs_norm) in zip(r["ours"], r["torch"]):
             assert abs(ours - theirs) < 1e-6 and abs(ours_norm - theirs_norm) < 1e-5, (r["ours"], r["torch"])
+    if TORCH_NO_PLACEMENT_RESULT:
+        pytest.skip(TORCH_NO_PLACEMENT_RESULT)

@@ -18,6 +18,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 DIM, HIDDEN, TOKENS = 8, 12, 6  # TOKENS per rank
+# torch < 2.13 has only the *_tensor(_autograd) functional collectives (same arguments)
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", funcol.all_gather_tensor_autograd)
+_all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
+_reduce_scatter_autograd = getattr(funcol, "reduce_scatter_single_autograd", funcol.reduce_scatter_tensor_autograd)
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -96,15 +100,15 @@ class GroupedExperts(nn.Module):
         all-gather over ep, then reduce-scatter (sum) back, both autograd-aware functional collectives."""
         group = self.ep_group
         if group is not None:
-            x = funcol.all_gather_single_autograd(x, 0, group)
-            weight = funcol.all_gather_single_autograd(weight, 0, group)
-            index = funcol.all_gather_single(index, 0, group)
+            x = _all_gather_autograd(x, 0, group)
+            weight = _all_gather_autograd(weight, 0, group)
+            index = _all_gather(index, 0, group)
         first = w1.shape[0] * self.ep_rank
         out = torch.zeros_like(x)
         for e in range(w1.shape[0]):
             mask = (index == first + e).to(x.dtype) * weight.to(x.dtype)
             out = out + (torch.relu(x @ w1[e]) @ w2[e]) * mask[:, None]
-        return funcol.reduce_scatter_single_autograd(out, "sum", 0, group) if group is not None else out
+        return _reduce_scatter_autograd(out, "sum", 0, group) if group is not None else out
 
 
 def _gather_plain(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
