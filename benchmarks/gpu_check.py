@@ -15,7 +15,8 @@ crash in one still leaves the others' figures in the result file. Parts:
    variants FSDP, HSDP on a (2, 4) mesh, ``reshard_after_forward=2`` and ``CPUOffloadPolicy()``.
    Checks: peak ``torch.cuda.max_memory_allocated`` of a step after a warm-up step, ours <= torch's x 1.02;
    ``memory_allocated`` right after ``backward()`` ours <= torch's + slack (held buffers released at the
-   end of backward); losses finite and equal to torch's on the first step. Also (part 4 of the old
+   end of backward); losses finite and equal to torch's on the first step (later steps train on
+   gradients the fake reduce-scatter never wrote, so their losses are printed, not checked). Also (part 4 of the old
    script) a ``torch.profiler`` trace of one FSDP step: the all-gather copy-in runs on a stream other
    than the compute (GEMM) stream.
 2. **csan** -- part 1's four variants of this library again, in a child with ``TORCH_CUDA_SANITIZER=1``:
@@ -582,8 +583,10 @@ def report_memory(rep: Report, data: dict[str, Any] | None, cuda: bool) -> None:
                   f"{mb(oa)} vs {mb(ta)} MiB", skip=skip)
         fills = data.get("fake_gather_fills", True)
         why = "" if fills else " (a warning only: this torch's fake all-gather leaves its output unwritten)"
-        finite = all(math.isfinite(v) for v in o["losses"] + t["losses"])
-        rep.check("1 memory", f"{variant}: losses finite{why}", finite, warn=not fills,
+        # the first step's only: later steps train on gradients the fake reduce-scatter never wrote
+        # (uninitialized memory: NaN is possible, and seen on torch 2.11, for torch's side as for ours)
+        finite = all(math.isfinite(v) for v in o["losses"][:1] + t["losses"][:1])
+        rep.check("1 memory", f"{variant}: first-step losses finite{why}", finite, warn=not fills,
                   detail=f"ours {[round(v, 4) for v in o['losses']]}, torch {[round(v, 4) for v in t['losses']]}")
         gap = abs(o["losses"][0] - t["losses"][0])
         rep.check("1 memory", f"{variant}: first-step loss equals torch's{why}",
