@@ -106,3 +106,14 @@ def assert_same(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
 
 def clone_model(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+def assert_clear_errors(per_rank: list[dict[str, Any]], fragments: dict[str, tuple[str, ...]]) -> None:
+    """Every rank failed every named case with a message holding its fragments and a fix."""
+    for name, expected in fragments.items():
+        for rank, results in enumerate(per_rank):
+            message = results[name]
+            assert message is not None, f"{name}: rank {rank} loaded without an error"
+            for fragment in expected:
+                assert fragment in message, f"{name}: rank {rank}: {fragment!r} not in:\n{message}"
+            assert "fix" in message, message
