@@ -18,6 +18,17 @@ Quantized all-gather: the FULL_SHARD bytes with bf16 parameters (fp32 reduce), a
 Bandwidth: for each unit size, a raw ``all_gather_into_tensor`` of the same size (this transport's
 physical limit here) vs this library's unshard (copy-in + all-gather + copy-out, nothing else running)
 and vs the all-gathers inside training steps (issue -> done, while compute competes for the cores).
+
+Per mesh axis (``--hsdp``; 4 ranks by default, taken as 2 'nodes' of ``--ranks-per-node 2``):
+
+    python benchmarks/comm.py --hsdp
+
+bytes per optimizer step on each process group, counted at the dispatcher for every c10d collective the
+steps issue (and checked against the profiler's totals), for HSDP on the (nodes, ranks per node) mesh
+("replicate", "shard"): one batch per step; ``--accum`` micro-batches with ``set_requires_all_reduce(False)``
+on all but the last; the same with the all-reduce every micro-batch; with ``set_requires_gradient_sync(False)``
+on all but the last; and FSDP on a 1-D mesh over all ranks. A group is inter-node when its ranks are on
+more than one node (torchrun numbers each node's ranks consecutively).
 """
 
 from __future__ import annotations
@@ -44,9 +55,12 @@ from _common import (
     synthetic_batch,
     timed_step,
 )
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fully_shard import MixedPrecisionPolicy, QuantizedAllGather, fully_shard, profile
+from fully_shard.comm import trace
 
 MIB = 2**20
 CPU = torch.device("cpu")
@@ -54,8 +68,11 @@ CPU = torch.device("cpu")
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--nproc", type=int, default=0, help="ranks (default 2; 4 with --hsdp)")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--hsdp", action="store_true", help="only the bytes per mesh axis (HSDP across 'nodes')")
+    ap.add_argument("--ranks-per-node", type=int, default=2, help="--hsdp: the shard group's size")
+    ap.add_argument("--accum", type=int, default=4, help="--hsdp: micro-batches per optimizer step")
     ap.add_argument("--iters", type=int, default=15, help="timed collectives per bandwidth measurement")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--json", type=Path, default=None)
@@ -150,10 +167,151 @@ def bandwidth(model: Any, prof: Any, reference: Any, args: argparse.Namespace) -
     return rows
 
 
+KINDS = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter", "allreduce_": "all_reduce"}
+
+
+class AxisBytes(TorchDispatchMode):
+    """``with AxisBytes() as c: ...``: ``c.records`` holds (kind, process group name, buffer bytes) of every
+    c10d collective issued in the block, seen at the dispatcher: the gathered bytes of an all-gather, the
+    input of a reduce-scatter, the tensor of an all-reduce (the profiler's convention). On gloo the library
+    issues a 1-D reduce-scatter as an in-place all-reduce and says so in its trace (``issued_as``); those are
+    counted as the reduce-scatters they stand for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[list[Any]] = []
+        self._observing: Any = None
+
+    def _on_event(self, event: trace.TraceEvent) -> None:
+        if event.kind is trace.EventKind.REDUCE_SCATTER and event.issued_as == "all_reduce":
+            last = next(r for r in reversed(self.records) if r[0] == "all_reduce")  # issued just before
+            last[0] = "reduce_scatter"
+
+    def __enter__(self) -> AxisBytes:
+        self._observing = trace.observe(self._on_event)
+        self._observing.__enter__()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._observing.__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        packet = str(func._overloadpacket)
+        if "c10d" in packet:
+            name = packet.split(".")[-1]
+            groups = [dist.ProcessGroup.unbox(a).group_name for a in args if isinstance(a, torch.ScriptObject)
+                      and "ProcessGroup" in str(a._type())]
+            tensors = args[0] if name == "allreduce_" else [args[1] if name == "_reduce_scatter_base_" else args[0]]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+            self.records.append([KINDS.get(name, name), groups[0] if groups else "?", nbytes])
+        return func(*args, **(kwargs or {}))
+
+
+def accumulate_step(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: GPTConfig, batch: int, step: int,
+                    accum: int, skip: str) -> None:
+    """One optimizer step of ``accum`` micro-batches; ``skip`` = "all_reduce" / "gradient_sync": that sync is
+    off on all but the last micro-batch ("" keeps every collective)."""
+    for micro in range(accum):
+        last = micro == accum - 1
+        if skip == "all_reduce":
+            model.set_requires_all_reduce(last)  # type: ignore[operator]
+        elif skip == "gradient_sync":
+            model.set_requires_gradient_sync(last)  # type: ignore[operator]
+        x, y = synthetic_batch(cfg, batch, step * accum + micro, dist.get_rank())
+        (loss_fn(model(x), y) / accum).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def axis_bytes(base: GPT, cfg: GPTConfig, mesh: DeviceMesh, accum: int, skip: str,
+               args: argparse.Namespace) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
+    """Bytes per optimizer step by (process group, kind) at the dispatcher, and the profiler's per kind."""
+    model = copy.deepcopy(base)
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    accumulate_step(model, opt, cfg, args.batch, 0, accum, skip)  # warm-up (lazy init)
+    with profile(model) as prof, AxisBytes() as counted:
+        for step in range(1, args.steps + 1):
+            accumulate_step(model, opt, cfg, args.batch, step, accum, skip)
+            prof.step()
+    per_group: dict[tuple[str, str], float] = {}
+    for kind, group, nbytes in counted.records:
+        per_group[(group, kind)] = per_group.get((group, kind), 0.0) + nbytes / args.steps
+    s = prof.summary()
+    return per_group, {k: s[f"{k}_bytes"] for k in ("all_gather", "reduce_scatter", "all_reduce")}
+
+
+def hsdp_axes(args: argparse.Namespace) -> None:
+    """Bytes per optimizer step on the intra-node (shard) and inter-node (replicate) axes."""
+    world, per_node = dist.get_world_size(), args.ranks_per_node
+    if per_node < 1 or world % per_node or world == per_node:
+        raise SystemExit(f"--hsdp: expected --ranks-per-node to divide --nproc into 2 or more nodes, found "
+                         f"{per_node} ranks per node of {world}. Fix: e.g. --nproc 4 --ranks-per-node 2.")
+    nodes = world // per_node
+    cfg = GPTConfig(vocab=2048, dim=256, blocks=6, heads=8, seq=128)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    p_all = sum(p.numel() * p.element_size() for p in base.parameters())
+    hsdp = init_device_mesh("cpu", (nodes, per_node), mesh_dim_names=("replicate", "shard"))
+    flat = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    k = args.accum
+    variants = [("HSDP, 1 batch/step", hsdp, 1, ""),
+                (f"HSDP, {k} micro, set_requires_all_reduce(False)", hsdp, k, "all_reduce"),
+                (f"HSDP, {k} micro, all-reduce each", hsdp, k, ""),
+                (f"HSDP, {k} micro, set_requires_gradient_sync(False)", hsdp, k, "gradient_sync"),
+                (f"FSDP 1-D over {world}, 1 batch/step", flat, 1, "")]
+    names: dict[str, list[int]] = {}
+    for mesh in (hsdp, flat):
+        for dim in mesh.mesh_dim_names or ():
+            group = mesh.get_group(dim)
+            names[group.group_name] = dist.get_process_group_ranks(group)
+    rows = []
+    for label, mesh, accum, skip in variants:
+        per_group, profiled = axis_bytes(base, cfg, mesh, accum, skip, args)
+        for kind, expected in profiled.items():  # nothing issued behind the trace's back
+            found = sum(v for (_, kd), v in per_group.items() if kd == kind)
+            if abs(found - expected) > 0.5:
+                raise SystemExit(f"{label}: the dispatcher counted {found:.0f} {kind} bytes per step, the "
+                                 f"profiler {expected:.0f}; expected equal. Fix: count every collective in both.")
+        for group in sorted({g for g, _ in per_group}, key=lambda g: len(names.get(g, ()))):
+            ranks = names.get(group, [])
+            n = len(ranks)
+            inter = len({r // per_node for r in ranks}) > 1
+            ag, rs, ar = (per_group.get((group, kd), 0.0) for kd in ("all_gather", "reduce_scatter", "all_reduce"))
+            wire = (n - 1) / n * (ag + rs) + 2 * (n - 1) / n * ar if n else 0.0
+            rows.append({"variant": label, "accum": accum, "group_ranks": ranks,
+                         "axis": "inter-node" if inter else "intra-node", "all_gather": ag, "reduce_scatter": rs,
+                         "all_reduce": ar, "total": ag + rs + ar, "wire_per_rank": wire})
+    rank0_print(f"\nbytes per optimizer step by mesh axis: GPT {p_all / 4 / 1e6:.1f}M params (P = {p_all / MIB:.2f} "
+                f"MiB fp32), {world} ranks as {nodes} nodes x {per_node} (gloo, CPU); rank 0's groups; "
+                f"load average {Path('/proc/loadavg').read_text().split()[:3]}")
+    rank0_print(f"machine: {machine()}")
+    head = f"{'variant':<48}{'group':>14}{'axis':>12}{'all-gather':>12}{'reduce-scat':>12}{'all-reduce':>12}" \
+           f"{'total':>9}{'x P':>7}{'wire/rank':>11}"
+    rank0_print(header(head, "   (MiB)"))
+    for r in rows:
+        rank0_print(f"{r['variant']:<48}{r['group_ranks']!s:>14}{r['axis']:>12}{r['all_gather'] / MIB:>12.2f}"
+                    f"{r['reduce_scatter'] / MIB:>12.2f}{r['all_reduce'] / MIB:>12.2f}{r['total'] / MIB:>9.2f}"
+                    f"{r['total'] / p_all:>7.3f}{r['wire_per_rank'] / MIB:>11.2f}")
+    rank0_print("wire/rank: what this rank sends with ring algorithms, (n-1)/n of an all-gather/reduce-scatter "
+                "buffer and 2(n-1)/n of an all-reduce buffer, n = the group's ranks")
+    if args.json is not None and dist.get_rank() == 0:
+        args.json.write_text(json.dumps({"axes": rows, "model_bytes": p_all, "nodes": nodes, "ranks_per_node":
+                                         per_node, "machine": machine()}, indent=1))
+
+
 def main() -> None:
     args = parse_args()
-    launch_if_needed(__file__, args.nproc)
+    launch_if_needed(__file__, args.nproc or (4 if args.hsdp else 2))
     init("gloo")
+    if args.hsdp:
+        hsdp_axes(args)
+        dist.destroy_process_group()
+        return
     world = dist.get_world_size()
     cfg = GPTConfig(vocab=2048, dim=256, blocks=6, heads=8, seq=128)
     torch.manual_seed(0)
