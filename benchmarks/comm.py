@@ -277,7 +277,7 @@ def hsdp_axes(args: argparse.Namespace) -> None:
             if abs(found - expected) > 0.5:
                 raise SystemExit(f"{label}: the dispatcher counted {found:.0f} {kind} bytes per step, the "
                                  f"profiler {expected:.0f}; expected equal. Fix: count every collective in both.")
-        for group in sorted({g for g, _ in per_group}, key=lambda g: len(names.get(g, ()))):
+        for group in sorted({g for g, _ in per_group}, key=lambda g: (len(names.get(g, ())), names.get(g, []))):
             ranks = names.get(group, [])
             n = len(ranks)
             inter = len({r // per_node for r in ranks}) > 1
