@@ -23,8 +23,9 @@ placed *around* each library's hooks with public torch APIs, after ``fully_shard
   after the FSDP pre-forward hook) fires just before that node runs; the phase ends at the next probe
   event (the previous unit's pre-backward probe, or the hook on the leaf input, which requires grad so
   that the first unit has this node too);
-- end of backward: from the leaf input's gradient hook (the last node of the graph) to the return of
-  ``loss.backward()``: both libraries' end-of-backward callbacks (finish the reduces, assign ``.grad``);
+- end of backward: from the leaf input's gradient hook (the last node of the graph; registered after the
+  forward, so it runs after every probe hook on the leaf) to the return of ``loss.backward()``: both
+  libraries' end-of-backward callbacks (finish the reduces, assign ``.grad``);
 - optimizer step: ``opt.step()`` plus ``opt.zero_grad()``. This library installs one global optimizer
   step pre-hook that also runs (and returns at once) for torch's optimizer: that cost counts for torch.
 
@@ -167,9 +168,11 @@ def run_config(args: argparse.Namespace, bf16: bool, reshard: bool) -> dict[str,
             probe.events.clear()
             dist.barrier()
             leaf = x.clone().requires_grad_(True)
-            leaf.register_hook(lambda g, probe=probe: probe.mark("end of backward<"))
             t0 = clock()
             loss = model(leaf).float().sum()
+            # registered after the forward: it runs after any hook the forward put on the leaf (torch's
+            # root, which has no parameters, does not route its inputs, so its probe hooks the leaf itself)
+            leaf.register_hook(lambda g, probe=probe: probe.mark("end of backward<"))
             loss.backward()
             probe.mark("optimizer step<")
             opt.step()
