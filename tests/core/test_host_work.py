@@ -76,3 +76,34 @@ def test_one_step_allocates_no_padding_and_makes_few_views() -> None:
         # gradient took three views, from_local's included); a few more on a rank where gloo's callback
         # ran in the main thread
         assert counts["views"] <= 40, (rank, counts["all"])
+
+
+@distributed(world_size=2)
+def _like_vs_from_local() -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from fully_shard.parallel import local_dtensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    bad = []
+    for placements, shape in (((Shard(0),), (5, 3)), ((Replicate(),), ())):
+        model = distribute_tensor(torch.randn(shape), mesh, placements)
+        local = torch.randn(model.to_local().shape)
+        ref = DTensor.from_local(local, mesh, placements, shape=model.shape, stride=model.stride())
+        for direct in (None, False):  # the private construction (checked once), and the fallback
+            local_dtensor._direct = direct
+            got = local_dtensor.like(local, model)
+            if (got.placements, got.shape, got.stride(), got.dtype, got.requires_grad) != (
+                    ref.placements, ref.shape, ref.stride(), ref.dtype, False) or not torch.equal(
+                    local_dtensor.local_of(got), local):
+                bad.append(f"{placements} direct={direct}")
+        local_dtensor._direct = None
+    return bad
+
+
+def test_gradient_dtensor_is_what_from_local_builds() -> None:
+    """``local_dtensor.like`` (the gradients' construction) gives from_local's DTensor, on its direct path
+    and on the fallback."""
+    for bad in _like_vs_from_local():
+        assert bad == []
