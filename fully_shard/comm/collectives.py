@@ -103,7 +103,15 @@ def reduce_scatter_is_all_reduce(group: dist.ProcessGroup) -> bool:
     segment at ``wait``): on gloo the library all-reduces its own reduce input in place instead, same
     bits and bytes on the wire, one input-sized copy less, and the input is the only buffer in flight
     (design/data-path.md)."""
-    return str(dist.get_backend(group)) == "gloo"
+    key = id(group)
+    known = _IS_GLOO.get(key)
+    if known is None or known[0] is not group:  # (a new group may reuse a destroyed one's id)
+        known = _IS_GLOO[key] = (group, str(dist.get_backend(group)) == "gloo")
+    return known[1]
+
+
+# group id -> (group, is gloo): asked once per reduce
+_IS_GLOO: dict[int, tuple[dist.ProcessGroup, bool]] = {}
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None,

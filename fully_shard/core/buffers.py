@@ -65,7 +65,7 @@ def _scatter_rows(rows: torch.Tensor, params: Sequence[ShardedParam], sizes: Seq
     for i, (p, size) in enumerate(zip(params, sizes)):
         if p.staged_gather:
             staged.append((p, rows.new_empty((world, size))))
-        outs.append(staged[-1][1] if p.staged_gather else p.unsharded_write.view(world, size))
+        outs.append(staged[-1][1] if p.staged_gather else p.gather_rows(world, size))
         split.append(size)
         if pads is not None and pads[i]:
             outs.append(rows.new_empty((world, pads[i])))
@@ -115,17 +115,41 @@ def partial_shard_copy_in(params: Sequence[ShardedParam], flat: FlatLayout,
 
 
 # --- reduce-scatter -------------------------------------------------------------------------------
+# private (design/private-torch.md): without it the copy-in pads with one copy per padded grad
+_chunk_cat = getattr(torch, "_chunk_cat", None)
+
+
+def _chunk_catable(grads: Sequence[torch.Tensor | None], params: Sequence[ShardedParam]) -> bool:
+    """``torch._chunk_cat`` lays these grads out as the flat layout does: each present, non-empty, of
+    one dtype, and split along dim 0 (not a replicated 0-dim one, nor ``Shard(d > 0)``)."""
+    dtype = None
+    for grad, p in zip(grads, params):
+        if grad is None or p.staged_gather or not grad.numel():
+            return False
+        if dtype is None:
+            dtype = grad.dtype
+        elif grad.dtype != dtype:
+            return False
+    return dtype is not None
+
+
 def reduce_scatter_copy_in(grads: Sequence[torch.Tensor | None], params: Sequence[ShardedParam],
                            flat: FlatLayout, dtype: torch.dtype, device: torch.device, *,
                            alloc: Alloc | None = None) -> torch.Tensor:
     """Pack unsharded grads into a ``(world, shard_numel)`` buffer of ``dtype``; row r goes to rank r.
 
-    One ``torch.cat`` along dim 1 of ``(world, size)`` views (it casts to ``dtype`` on the way); only a
-    grad whose rows do not fill the padded layout is copied once to pad it. Missing grads are zeros.
+    Where every grad is present, non-empty, of one dtype and sharded along dim 0: one ``torch._chunk_cat``
+    (each grad's rows split per rank, padded and cast in the same kernel, torch's FSDP2 copy-in). Else one
+    ``torch.cat`` along dim 1 of ``(world, size)`` views (it casts to ``dtype`` on the way); only a grad
+    whose rows do not fill the padded layout is copied once to pad it. Missing grads are zeros.
     A replicated (0-dim) parameter's grad is written into every rank's row, so the reduce-scatter sums
     it over ranks like an all-reduce would.
     """
     world = flat.world
+    buf = allocate(alloc, world * flat.shard_numel, dtype, device).view(world, flat.shard_numel)
+    if _chunk_cat is not None and _chunk_catable(grads, params):
+        _chunk_cat(grads, 0, world, out=buf)  # pads each grad's rows per rank and casts: one kernel
+        return buf.view(-1)
     pieces = []
     for grad, p, size in zip(grads, params, flat.sizes):
         if grad is None:
@@ -136,7 +160,6 @@ def reduce_scatter_copy_in(grads: Sequence[torch.Tensor | None], params: Sequenc
             src = p.moved(grad).reshape(-1)  # shard dim first (a no-op for Shard(0))
             pad = world * size - src.numel()
             pieces.append((F.pad(src, (0, pad)) if pad else src).view(world, size))
-    buf = allocate(alloc, world * flat.shard_numel, dtype, device).view(world, flat.shard_numel)
     if pieces:
         torch.cat(pieces, dim=1, out=buf)
     return buf.view(-1)

@@ -324,7 +324,8 @@ class ParamGroup:
         for p in self.params:
             p.register_unsharded()
         self._transition({GroupState.UNSHARDING}, GroupState.UNSHARDED, "finish unshard")
-        self._emit(trace.EventKind.UNSHARD, phase, nbytes=self.unsharded_nbytes, exposed_s=exposed)
+        if trace.enabled():  # (the byte count is not computed for nobody)
+            self._emit(trace.EventKind.UNSHARD, phase, nbytes=self.unsharded_nbytes, exposed_s=exposed)
 
     # --- reshard -------------------------------------------------------------------------------
     @_outside_functorch

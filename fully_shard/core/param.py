@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
+from ..parallel import local_dtensor
 from ..parallel.mesh import MeshInfo
 from ..parallel.spmd import ParamSpec, local_grad, spec_of
 from . import extension, registry
@@ -59,9 +60,23 @@ class ShardedParam:
         if moved:
             moved.insert(0, moved.pop(self.shard_dim))
         self.layout = DimZeroLayout(tuple(moved), mesh_info.shard_world)
+        # this rank's shard in the communication layout, read on every unshard and reduce (the rank is fixed)
+        rank = mesh_info.shard_rank
+        self.local_numel = self.layout.local_numel(rank)
+        self.local_shape = self.layout.local_shape(rank)
+        self.local_stride = contiguous_stride(self.local_shape)
+        self.padding_numel = self.layout.padding_numel(rank)
+        # copy-in: the flattened shard (a view of the DTensor's local tensor, kept while that tensor and its
+        # storage stay the same) and the zeros that pad it, allocated once
+        self._flat_local: tuple[torch.Tensor, int, torch.Tensor] | None = None
+        self._pad_zeros: torch.Tensor | None = None
         self.unsharded_param: nn.Parameter | None = None
         self._unsharded_padded: torch.Tensor | None = None  # owns the unsharded storage
         self._unsharded_write: torch.Tensor | None = None  # same storage, own version counter
+        # the storage (one Python object, resized in place) and its allocated size, read on every unshard
+        self._unsharded_storage: torch.UntypedStorage | None = None
+        self._unsharded_nbytes = 0
+        self._gather_rows: tuple[int, int, torch.Tensor] | None = None  # (world, size, rows view)
         self.unsharded_accumulated_grad: torch.Tensor | None = None  # no-sync accumulation
         self.sharded_param: DTensor = self._make_sharded(data)  # an nn.Parameter wrapping a DTensor
         # A tensor subclass with fsdp_pre/post_all_gather builds its own unsharded form (extension.py)
@@ -106,9 +121,22 @@ class ShardedParam:
 
     @property
     def sharded_local(self) -> torch.Tensor:
-        """This rank's unpadded shard (a plain tensor)."""
-        with torch.no_grad():
-            return self.sharded_param.to_local()
+        """This rank's unpadded shard (a plain tensor): the DTensor's local tensor itself (``to_local()``
+        of a Parameter makes a new view per call)."""
+        return local_dtensor.local_of(self.sharded_param)
+
+    def flat_local(self) -> torch.Tensor:
+        """The shard flattened in the communication layout (shard dim first). A view of the local
+        tensor, made again only when the local tensor or its storage changed (``adopt_module_param``,
+        ``.data =``); a ``Shard(d > 0)`` shard is a fresh copy each time (its flat form is no view)."""
+        local = self.sharded_local
+        cached = self._flat_local
+        if cached is not None and cached[0] is local and cached[1] == local.data_ptr():
+            return cached[2]
+        flat = self.moved(local).reshape(-1)
+        if self.shard_dim == 0 and local.is_contiguous():  # reshape(-1) was a view: keep it
+            self._flat_local = (local, local.data_ptr(), flat)
+        return flat
 
     def adopt_module_param(self) -> None:
         """Re-read the sharded parameter if the module's slot now holds another DTensor Parameter
@@ -131,11 +159,15 @@ class ShardedParam:
     def copy_in_parts(self, device: torch.device) -> list[torch.Tensor]:
         """Flat pieces on ``device`` that make this rank's padded shard: the local shard, then zero
         padding. With CPU offload the shard is copied from the host here (asynchronously: pinned)."""
-        local = self.moved(self.sharded_local).reshape(-1)
+        local = self.flat_local()
         if self.offload or local.device != device:
             local = local.to(device, non_blocking=True, copy=True)
-        pad = self.layout.padding_numel(self.mesh_info.shard_rank)
-        return [local, local.new_zeros(pad)] if pad else [local]
+        if not self.padding_numel:
+            return [local]
+        zeros = self._pad_zeros
+        if zeros is None or zeros.dtype != local.dtype or zeros.device != local.device:
+            zeros = self._pad_zeros = local.new_zeros(self.padding_numel)  # read only: kept for every unshard
+        return [local, zeros]
 
     def set_sharded_grad(self, local_grad: torch.Tensor) -> bool:
         """Assign (or accumulate into) ``.grad`` of the sharded parameter as a DTensor. True when the
@@ -153,13 +185,13 @@ class ShardedParam:
             asynchronous = self.pin_memory and not accumulate and not self._post_accumulate_hooks()
             local_grad = local_grad.to(self.storage_device, non_blocking=asynchronous, copy=True)
         if not accumulate:
-            placements = self.sharded_param.placements
-            grad = self._dtensor(local_grad, self.spec.mesh, placements)
+            grad = local_dtensor.like(local_grad, self.sharded_param)  # the parameter's mesh and placements
             self.sharded_param.grad = grad
-            registry.announce_grad(grad, placements)  # e.g. the optimizer step's check, done where it is known
+            # e.g. the optimizer step's check, done where it is known
+            registry.announce_grad(grad, self.sharded_param.placements, local_dtensor.local_of(grad))
         else:
             with torch.no_grad():
-                existing.to_local().add_(local_grad)  # type: ignore[union-attr]
+                local_dtensor.local_of(existing).add_(local_grad)  # type: ignore[arg-type]
         return asynchronous
 
     def _post_accumulate_hooks(self) -> list[Any]:
@@ -188,6 +220,9 @@ class ShardedParam:
             view = padded[:self.layout.numel].view(self.layout.shape)
         self._unsharded_padded = padded
         self._unsharded_write = padded.data
+        self._unsharded_storage = padded.untyped_storage()
+        self._unsharded_nbytes = padded.untyped_storage().nbytes()
+        self._gather_rows = None
         self.unsharded_param = nn.Parameter(self._as_unsharded(view), requires_grad=self.requires_grad)
         self.free_unsharded()
 
@@ -227,6 +262,14 @@ class ShardedParam:
         flat = self.moved(self.unsharded_write.view(self.unsharded_shape)).reshape(-1)
         return F.pad(flat, (0, world * size - flat.numel())).view(world, size)
 
+    def gather_rows(self, world: int, size: int) -> torch.Tensor:
+        """The unsharded storage as ``(world, size)`` rows, where the copy-out writes a ``Shard(0)``
+        parameter's gathered rows: one view, kept (the storage is resized in place, the view stays valid)."""
+        cached = self._gather_rows
+        if cached is None or cached[0] != world or cached[1] != size:
+            cached = self._gather_rows = (world, size, self.unsharded_write.view(world, size))
+        return cached[2]
+
     @property
     def unsharded_write(self) -> torch.Tensor:
         """Padded flat view of the unsharded storage whose writes do not bump autograd versions."""
@@ -237,21 +280,21 @@ class ShardedParam:
         if self.extension is not None:
             self.extension.alloc()
             return
-        storage = self.unsharded_write.untyped_storage()
-        nbytes = self._unsharded_numel * self.unsharded_write.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
+        storage = self._unsharded_storage
+        assert storage is not None, f"{self.fqn}: unsharded form used before init"
+        if storage.size() != self._unsharded_nbytes:
+            storage.resize_(self._unsharded_nbytes)
 
     def free_unsharded(self) -> None:
         if self.extension is not None:
             self.extension.free()
-        if self._unsharded_write is not None:
-            self._unsharded_write.untyped_storage().resize_(0)
+        if self._unsharded_storage is not None:
+            self._unsharded_storage.resize_(0)
 
     def unsharded_allocated(self) -> bool:
         if self.extension is not None:
             return self.extension.allocated()
-        return self._unsharded_write is not None and self._unsharded_write.untyped_storage().size() > 0
+        return self._unsharded_storage is not None and self._unsharded_storage.size() > 0
 
     # --- registration -------------------------------------------------------------------------
     def register_sharded(self) -> None:

@@ -255,11 +255,13 @@ class Reducer:
                       ctx: CommContext) -> None:
         """Assign each parameter's rows as its sharded ``.grad``, then run its post-accumulate-grad
         hooks (optimizer-in-backward), as autograd would for a leaf (design/hooks.md)."""
-        rank = self.mesh_info.shard_rank
+        output = output.contiguous()  # (it always is: one flat buffer)
+        base = output.storage_offset()
         with torch.no_grad():
             copied = False  # CPU offload: some grads went to the host asynchronously
             for p, offset in zip(params, flat.offsets):
-                local = output.narrow(0, offset, p.layout.local_numel(rank)).view(p.layout.local_shape(rank))
+                # this rank's rows of p: one view (the output is contiguous), shapes cached on p
+                local = output.as_strided(p.local_shape, p.local_stride, base + offset)
                 copied |= p.set_sharded_grad(local)
                 p.run_post_accumulate_grad_hooks()
         if copied:

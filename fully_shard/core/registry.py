@@ -21,8 +21,8 @@ OWNER_ATTR = "_fully_shard_owner"
 
 # (the unit's ShardedParams, the original parameters they replaced)
 ShardedListener = Callable[[list[Any], list[torch.Tensor]], None]
-# (a new sharded DTensor gradient, its parameter's placements)
-GradListener = Callable[[Any, tuple[Any, ...]], None]
+# (a new sharded DTensor gradient, its parameter's placements, the gradient's local tensor)
+GradListener = Callable[[Any, tuple[Any, ...], torch.Tensor], None]
 
 _sharded_listeners: list[ShardedListener] = []
 _grad_listeners: list[GradListener] = []
@@ -35,7 +35,7 @@ def on_sharded(listener: ShardedListener) -> None:
 
 
 def on_grad(listener: GradListener) -> None:
-    """Call ``listener(grad, placements)`` for every sharded gradient the reduce side creates."""
+    """Call ``listener(grad, placements, local)`` for every sharded gradient the reduce side creates."""
     if listener not in _grad_listeners:
         _grad_listeners.append(listener)
 
@@ -45,9 +45,9 @@ def announce_sharded(params: list[Any], replaced: list[torch.Tensor]) -> None:
         listener(params, replaced)
 
 
-def announce_grad(grad: Any, placements: tuple[Any, ...]) -> None:
+def announce_grad(grad: Any, placements: tuple[Any, ...], local: torch.Tensor) -> None:
     for listener in _grad_listeners:
-        listener(grad, placements)
+        listener(grad, placements, local)
 
 
 def owner_of(p: torch.Tensor) -> str | None:

@@ -408,12 +408,33 @@ class _PostBackward(torch.autograd.Function):
         return tangents
 
 
+class _PostBackwardEager(torch.autograd.Function):
+    """``_PostBackward`` in the ``forward(ctx, ...)`` form, used outside torch.func transforms:
+    ``Function.apply`` binds a ``setup_context`` form's arguments through ``inspect.signature`` on
+    every call (a unit's forward pays it once per step); this form skips that."""
+
+    @staticmethod
+    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state.post_backward()
+        return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, _state_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tangents
+
+
 def _register_post_backward(state: FSDPState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     flat = [t for t in tensors((args, kwargs)) if t.requires_grad]
     if not flat:
         return args, kwargs
     state._awaits_post_backward = True
-    outputs = _PostBackward.apply(state, *flat)
+    function = _PostBackward if torch._C._are_functorch_transforms_active() else _PostBackwardEager
+    outputs = function.apply(state, *flat)
     replacement = {id(t): o for t, o in zip(flat, outputs)}
     swap: Callable[[torch.Tensor], torch.Tensor] = lambda t: replacement.get(id(t), t)  # noqa: E731
     return map_tensors(swap, args), map_tensors(swap, kwargs)

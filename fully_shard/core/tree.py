@@ -14,6 +14,10 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     """Rebuild ``obj`` with ``fn`` applied to every tensor; other leaves are returned unchanged."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if type(obj) is tuple:  # a forward's args: the common case, first
+        return tuple([map_tensors(fn, v) for v in obj])
+    if type(obj) is dict and not obj:  # a forward's empty kwargs
+        return {}
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return type(obj)(*(map_tensors(fn, v) for v in obj))
     if isinstance(obj, (list, tuple)):
@@ -37,13 +41,24 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
 def tensors(obj: Any) -> list[torch.Tensor]:
     """Every tensor inside ``obj``, in traversal order."""
     found: list[torch.Tensor] = []
-
-    def collect(t: torch.Tensor) -> torch.Tensor:
-        found.append(t)
-        return t
-
-    map_tensors(collect, obj)
+    _collect(obj, found)
     return found
+
+
+def _collect(obj: Any, found: list[torch.Tensor]) -> None:
+    """``tensors`` without rebuilding the containers (the same traversal as ``map_tensors``)."""
+    if isinstance(obj, torch.Tensor):
+        found.append(obj)
+    elif isinstance(obj, (list, tuple)):  # namedtuples included
+        for v in obj:
+            _collect(v, found)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect(v, found)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            if f.init:
+                _collect(getattr(obj, f.name), found)
 
 
 def join_fqn(prefix: str, name: str) -> str:

@@ -155,11 +155,10 @@ def proven_local_grads(cached: LocalGroup) -> tuple[tuple[torch.Tensor, ...], bo
     return None
 
 
-def prove_grad(grad: DTensor, placements: tuple[Any, ...]) -> None:
+def prove_grad(grad: DTensor, placements: tuple[Any, ...], local: torch.Tensor) -> None:
     """Mark a DTensor gradient the library made for a parameter with ``placements`` (its local tensor
-    has the parameter's local shape and dtype) as checked: the step then reads it in one lookup."""
-    with torch.no_grad():
-        setattr(grad, _GRAD_PROOF_ATTR, _GradProof((placements, grad.to_local())))
+    ``local`` has the parameter's local shape and dtype) as checked: the step then reads it in one lookup."""
+    setattr(grad, _GRAD_PROOF_ATTR, _GradProof((placements, local)))
 
 
 def collect_local_grads(cached: LocalGroup,

@@ -45,9 +45,8 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
-        for g in grads:
-            local = g.to_local() if isinstance(g, DTensor) else g
-            local.mul_(coef.to(local.device, local.dtype))
+        for (device, dtype), locals_ in _by_device_dtype(_local(g) for g in grads).items():
+            torch._foreach_mul_(locals_, coef.to(device, dtype))  # one kernel per (device, dtype)
     return total
 
 
@@ -58,22 +57,21 @@ def total_grad_norm(parameters: torch.Tensor | Iterable[torch.Tensor], norm_type
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
-    out_device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
+    out_device = _local(grads[0]).device
     inf = math.isinf(norm_type)
-    # Per reduction key: the local contribution (sum of |g|^p, or max |g|) and the groups to reduce over.
-    partial: dict[_ReduceKey, torch.Tensor] = {}
+    # Per reduction key: the local tensors (in insertion order, the same on every rank, so the collectives
+    # match; a key whose shards are all empty on this rank still takes part) and the groups to reduce over.
+    locals_by_key: dict[_ReduceKey, list[torch.Tensor]] = {}
     groups: dict[_ReduceKey, list[tuple[dist.ProcessGroup, torch.device]]] = {}
     for g in grads:
         key, local, reduce_over = _local_and_groups(g)
-        value = _contribution(local.detach(), norm_type)
-        if key in partial:
-            acc = partial[key]
-            partial[key] = torch.maximum(acc, value.to(acc.device)) if inf else acc + value.to(acc.device)
-        else:
-            partial[key] = value
-            groups[key] = reduce_over
+        if key not in groups:
+            locals_by_key[key], groups[key] = [], reduce_over
+        if local.numel():  # an uneven dim-0 shard can be empty on the last ranks
+            locals_by_key[key].append(local.detach())
     total: torch.Tensor | None = None
-    for key, value in partial.items():  # same insertion order on every rank: collectives match
+    for key, locals_ in locals_by_key.items():
+        value = _contribution(locals_, norm_type, out_device)
         for group, device in groups[key]:
             value = value.to(device)
             collectives.all_reduce(value, group, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
@@ -81,6 +79,31 @@ def total_grad_norm(parameters: torch.Tensor | Iterable[torch.Tensor], norm_type
         total = value if total is None else (torch.maximum(total, value) if inf else total + value)
     assert total is not None
     return total if inf else total ** (1.0 / norm_type)
+
+
+def _contribution(locals_: list[torch.Tensor], norm_type: float, out_device: torch.device) -> torch.Tensor:
+    """``sum(|g|^p)`` (``max |g|`` for p = inf) over ``locals_`` in float32: one ``_foreach_norm`` per
+    (device, dtype), accumulating in float32 (float64 in its own precision)."""
+    parts = []
+    for device, dtype in (batch := _by_device_dtype(locals_)):
+        wide = dtype.is_floating_point and dtype.itemsize > 4  # float64: its own precision, then float32
+        norms = torch.stack(torch._foreach_norm(batch[(device, dtype)], norm_type,
+                                                dtype=None if wide else torch.float32)).float()
+        parts.append((norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()).to(out_device))
+    if not parts:
+        return torch.zeros((), dtype=torch.float32, device=out_device)
+    return torch.stack(parts).max() if math.isinf(norm_type) else torch.stack(parts).sum()
+
+
+def _by_device_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    out: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault((t.device, t.dtype), []).append(t)
+    return out
+
+
+def _local(g: torch.Tensor) -> torch.Tensor:
+    return g.to_local() if isinstance(g, DTensor) else g
 
 
 def _local_and_groups(g: torch.Tensor) -> tuple[_ReduceKey, torch.Tensor,
@@ -97,19 +120,6 @@ def _local_and_groups(g: torch.Tensor) -> tuple[_ReduceKey, torch.Tensor,
     dims = [d for d, p in enumerate(g.placements) if not p.is_replicate()]
     key = tuple((id(mesh), d) for d in dims)
     return key, g.to_local(), [(mesh.get_group(d), device) for d in dims]
-
-
-def _contribution(local: torch.Tensor, norm_type: float) -> torch.Tensor:
-    if local.numel() == 0:  # an uneven dim-0 shard can be empty on the last ranks
-        return torch.zeros((), dtype=torch.float32, device=local.device)
-    x = local.float().abs()
-    if math.isinf(norm_type):
-        return x.max()
-    if norm_type == 1.0:
-        return x.sum()
-    if norm_type == 2.0:
-        return (x * x).sum()
-    return x.pow(norm_type).sum()
 
 
 def _as_list(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:

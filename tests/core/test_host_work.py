@@ -1,0 +1,109 @@
+"""The runtime's per-parameter host work per step (design/data-path.md, "Host work per step"): counted as
+the tensor ops one training step dispatches, on a unit whose shards need padding on rank 1.
+
+No padding is allocated per step (the unshard copy-in reuses one zeros tensor per padded parameter, the
+reduce copy-in pads inside ``torch._chunk_cat``); no new view of a shard per unshard (the flattened shard
+and the copy-out rows are cached views); gradient DTensors are built without ``DTensor.from_local``'s
+autograd Function (one view per gradient: its rows of the reduced buffer)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fully_shard import fully_shard
+from tests.distributed.harness import distributed
+
+# ops that allocate a padding buffer or build a padded copy
+_PADDING = {"new_zeros", "zeros", "constant_pad_nd", "pad", "zeros_like", "fill_"}
+# ops that only make a new view of an existing tensor
+_VIEWS = {"view", "_reshape_alias", "reshape", "view_as", "narrow", "slice", "alias", "as_strided", "expand",
+          "_unsafe_view", "t", "transpose", "detach"}
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    # 3 rows over 2 ranks: rank 0 holds 2 rows, rank 1 one row + one row of padding (weight and bias)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 3))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+@distributed(world_size=2)
+def _count_step_ops() -> dict[str, Any]:
+    model = _model()
+    x = torch.randn(2, 4)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    step()  # the first step allocates what later steps reuse
+    for p in model.parameters():
+        p.grad = None
+    with _CountOps() as counted:
+        step()
+    counts = counted.counts
+    return {"padding": {k: v for k, v in counts.items() if k in _PADDING},
+            "views": sum(v for k, v in counts.items() if k in _VIEWS), "chunk_cat": counts["_chunk_cat"],
+            "all": dict(counts)}
+
+
+def test_one_step_allocates_no_padding_and_makes_few_views() -> None:
+    ranks = _count_step_ops()
+    for rank, counts in enumerate(ranks):
+        # no per-step padding: not for the two units' forward and backward unshards, nor their reduces
+        assert counts["padding"] == {}, (rank, counts["all"])
+        # one _chunk_cat per reduce (two units; the root has no parameters)
+        assert counts["chunk_cat"] == 2, (rank, counts["all"])
+        # view ops of the step (forward and backward compute included): 37 on this model, 77 before the
+        # caching (each unshard viewed every shard twice and the copy-out rows once per parameter; each
+        # gradient took three views, from_local's included); a few more on a rank where gloo's callback
+        # ran in the main thread
+        assert counts["views"] <= 40, (rank, counts["all"])
+
+
+@distributed(world_size=2)
+def _like_vs_from_local() -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from fully_shard.parallel import local_dtensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    bad = []
+    for placements, shape in (((Shard(0),), (5, 3)), ((Replicate(),), ())):
+        model = distribute_tensor(torch.randn(shape), mesh, placements)
+        local = torch.randn(model.to_local().shape)
+        ref = DTensor.from_local(local, mesh, placements, shape=model.shape, stride=model.stride())
+        for direct in (None, False):  # the private construction (checked once), and the fallback
+            local_dtensor._direct = direct
+            got = local_dtensor.like(local, model)
+            if (got.placements, got.shape, got.stride(), got.dtype, got.requires_grad) != (
+                    ref.placements, ref.shape, ref.stride(), ref.dtype, False) or not torch.equal(
+                    local_dtensor.local_of(got), local):
+                bad.append(f"{placements} direct={direct}")
+        local_dtensor._direct = None
+    return bad
+
+
+def test_gradient_dtensor_is_what_from_local_builds() -> None:
+    """``local_dtensor.like`` (the gradients' construction) gives from_local's DTensor, on its direct path
+    and on the fallback."""
+    for bad in _like_vs_from_local():
+        assert bad == []
