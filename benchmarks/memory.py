@@ -2,6 +2,7 @@
 
     python benchmarks/memory.py            # runs each variant in fresh ranks (2 by default), prints a table
     python benchmarks/memory.py --variants ours,torch --steps 3
+    python benchmarks/memory.py --variants ours,torch --shape large   # 4 blocks d=1024 (or: small, 48 blocks d=256)
 
 Each variant (this library, torch's ``fully_shard``, DDP) trains the same ~50M-parameter GPT in its own
 ``torchrun`` launch, so the processes' peak resident set sizes are comparable. ``MALLOC_MMAP_THRESHOLD_=
@@ -28,7 +29,15 @@ from _common import GPT, ROOT, GPTConfig, header, loss_fn, machine, synthetic_ba
 
 from fully_shard.tools.memory import current_memory, peak_memory, reset_peak_memory
 
-CONFIG = GPTConfig(vocab=8192, dim=512, blocks=14, heads=8, seq=128)
+SHAPES = {  # --shape: the ~50M-parameter GPT (default), fewer larger blocks, many small blocks
+    "gpt": GPTConfig(vocab=8192, dim=512, blocks=14, heads=8, seq=128),
+    "large": GPTConfig(vocab=8192, dim=1024, blocks=4, heads=16, seq=128),
+    # vocab 2048: with 8192 the step's peak is the loss's backward, before any fully_shard hook runs
+    # (small-v8192 keeps that shape: benchmarks/README.md, "Memory")
+    "small": GPTConfig(vocab=2048, dim=256, blocks=48, heads=4, seq=128),
+    "small-v8192": GPTConfig(vocab=8192, dim=256, blocks=48, heads=4, seq=128),
+}
+CONFIG = SHAPES["gpt"]
 
 
 def parse_args() -> argparse.Namespace:
@@ -37,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--variants", default="ours,torch,ddp")
     ap.add_argument("--steps", type=int, default=2, help="measured steps (after one warm-up step)")
     ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="gpt",
+                    help="gpt: 14 blocks d=512; large: 4 blocks d=1024; small: 48 blocks d=256, vocab 2048")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # set for the launched ranks
     ap.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
@@ -52,6 +63,8 @@ def local_bytes(t: Any) -> int:
 
 def run_rank(args: argparse.Namespace) -> None:
     """One rank of one variant: build, shard, train, measure; rank 0 writes the JSON to ``--out``."""
+    global CONFIG
+    CONFIG = SHAPES[args.shape]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -106,7 +119,7 @@ def main() -> None:
             out = Path(tmp) / f"{variant}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                    __file__, "--variant", variant, "--out", str(out), "--steps", str(args.steps),
-                   "--batch", str(args.batch)]
+                   "--batch", str(args.batch), "--shape", args.shape]
             print(f"running {variant} on {args.nproc} ranks ...", flush=True)
             subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
             results[variant] = json.loads(out.read_text())
@@ -114,6 +127,8 @@ def main() -> None:
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
+    global CONFIG
+    CONFIG = SHAPES[args.shape]
     mib = 2**20
     first = next(iter(results.values()))
     world, n_params = first["world"], first["ranks"][0]["params"]

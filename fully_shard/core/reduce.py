@@ -268,6 +268,24 @@ class Reducer:
             ctx.hold_grad_offload_event()
 
 
+@dataclass(frozen=True)
+class ReduceBytes:
+    """One unit's reduce as ``ReduceQueue`` budgets it: what it holds in flight, what it leaves, and what
+    the unit's backward let go (the same on every rank: shapes only)."""
+
+    input: int  # the reduce input: the unit's unsharded gradients in the reduce dtype
+    kept: int  # the sharded gradients it leaves on this rank (input / shard ranks)
+    released: int  # the activations the unit's backward freed, a lower bound (``activation_bytes``)
+
+
+def activation_bytes(rows: int, in_features: int, dtype: torch.dtype) -> int:
+    """A lower bound of what one unit's backward frees: each 2-D weight ``(out, in)`` multiplied ``rows``
+    input rows of ``in`` features in the forward, and autograd keeps that input for the weight's gradient
+    until the unit's backward has run (``in_features``: the sum of ``in`` over the unit's 2-D weights;
+    ``rows``: the unit's output rows, its elements over its last dim)."""
+    return rows * in_features * dtype.itemsize
+
+
 class ReduceQueue:
     """The reducers of one root's groups with reduces in flight, oldest first. Before a group allocates its
     reduce buffers, ``make_room`` finishes the oldest until fewer than the limit remain, so at most
@@ -280,22 +298,21 @@ class ReduceQueue:
     unit's backward and is finished just before that unit allocates its own, so two reduce inputs never
     coexist. ``max_in_flight = 0`` finishes each reduce at once (no overlap).
 
-    On CPU the first third of a backward's reduces (the last units', at least one) are finished at
-    once even so (``at_once``): they would overlap the next units' backward, where most activations
-    are still held and the step's memory peaks; further on, the units behind have freed theirs
-    (design/data-path.md)."""
+    On CPU a reduce stays in flight only where its input fits in what the backward has released so far
+    (``budgeted``; design/data-path.md): held behind the next unit's backward, the input adds to the
+    memory there, and the step's peak is where the most activations are held, at the backward's start.
+    ``released`` counts, over the reduces pushed since the backward began, the activations each unit's
+    backward let go (``ReduceBytes.released``, a lower bound) less the sharded gradients it left
+    (``ReduceBytes.kept``, which the backward adds); a reduce whose ``input`` exceeds it finishes at once.
+    Shapes only, so every rank that runs the same shapes decides alike (a finish runs the all-reduce hook
+    and the post-accumulate-grad hooks, which may issue collectives: no decision may depend on timing or
+    RSS)."""
 
     def __init__(self, *, accelerated: bool) -> None:
         self.max_in_flight = 2 if accelerated else 1
-        self.at_once_fraction = 0.0 if accelerated else 1 / 3
-        self.units = 1  # units with parameters under this root (set at lazy init)
+        self.budgeted = not accelerated  # accelerators: streams overlap, the caching allocator reuses
+        self.released = 0  # bytes the backward has released so far (see above); reset by drain
         self._reducers: deque[Reducer] = deque()
-        self._pushed = 0  # reduces pushed since the last drain: 0 = the next is a backward's first
-
-    @property
-    def at_once(self) -> int:
-        """How many of a backward's first reduces finish at once (0 on accelerators)."""
-        return max(1, int(self.units * self.at_once_fraction)) if self.at_once_fraction else 0
 
     def _limit(self, reducer: Reducer | None) -> int:
         k = reducer.settings.max_input_buffers if reducer is not None else None
@@ -306,22 +323,26 @@ class ReduceQueue:
         while self._reducers and len(self._reducers) >= limit:
             self._reducers.popleft().finish()
 
-    def push(self, reducer: Reducer) -> None:
+    def push(self, reducer: Reducer, nbytes: ReduceBytes | None = None) -> None:
+        """Queue ``reducer``'s newest reduce (``nbytes``: its bytes; None: unknown, finished at once on
+        CPU) and finish the oldest beyond the limit."""
         if reducer not in self._reducers:
             self._reducers.append(reducer)
         limit = self._limit(reducer)
-        if self._pushed < self.at_once and reducer.settings.max_input_buffers is None:
-            limit = 0
-        self._pushed += 1
+        if self.budgeted and reducer.settings.max_input_buffers is None:
+            if nbytes is not None:
+                self.released += nbytes.released - nbytes.kept
+            if nbytes is None or self.released < nbytes.input:
+                limit = 0
         while len(self._reducers) > limit:  # 0: finish right away (no overlap)
             self._reducers.popleft().finish()
 
     def drain(self) -> None:
         while self._reducers:
             self._reducers.popleft().finish()
-        self._pushed = 0
+        self.released = 0
 
     def discard(self) -> None:
         """``reset_iter_state``: forget the queued reducers (each group discards its own reduces)."""
         self._reducers.clear()
-        self._pushed = 0
+        self.released = 0

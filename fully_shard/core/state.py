@@ -22,6 +22,7 @@ from .checks import check_not_meta
 from .group import GroupState, ParamGroup, ReduceQueue
 from .param import ShardedParam
 from .policy import MixedPrecisionPolicy
+from .reduce import ReduceBytes, activation_bytes
 from .tree import join_fqn, map_tensors, tensors
 
 # The runtime's entry points, public because other files call them too (module.py, compat): every
@@ -47,7 +48,6 @@ class RootContext:
         self.states = states
         self.comm = comm or CommContext(device)  # share_comm_ctx: one shared by several roots
         self.reduces = ReduceQueue(accelerated=self.comm.accelerated)
-        self.reduces.units = max(1, sum(len(state.groups) for state in states))
         self.forward_order: list[FSDPState] = []  # units in the order their forward began
         self.post_forward_order: list[FSDPState] = []  # ... and ended: backward runs it in reverse
         self.order_frozen = False
@@ -80,6 +80,9 @@ class FSDPState:
         self._modules_to_run: set[nn.Module] = set()  # list unit: members still to run this pass
         self._awaits_post_backward = False  # this pass wrapped grad-requiring inputs in _PostBackward
         self._member_params = _member_params(modules, groups)  # list unit: params under each member
+        self.forward_rows = 0  # rows of the unit's last grad-enabled forward output (ReduceQueue's budget)
+        self._in_features = {id(g): sum(p.unsharded_shape[1] for p in g.params if len(p.unsharded_shape) == 2)
+                             for g in groups}  # per group: the 2-D weights' input features
         for name in _EAGER_METHODS:
             setattr(self, name, eager(getattr(self, name)))
         for module in modules:
@@ -189,6 +192,7 @@ class FSDPState:
         self._modules_to_run.discard(module)
         if torch.is_grad_enabled():  # every member's outputs: a member's backward may come first
             output = self._register_pre_backward(output)
+            self.forward_rows = _rows(output)
         if not self._modules_to_run:  # the last member of a list unit (or the only module) finished
             self._finish_pass()
             if self.is_root:
@@ -358,7 +362,14 @@ class FSDPState:
             reduces.make_room(groups[0].reducer)  # before this unit's reduce buffers are allocated
         issued = [g for g in groups if g.reduce_grads(reshard_first=g.reshard_after_backward)]
         for group in issued:
-            reduces.push(group.reducer)
+            reduces.push(group.reducer, self._reduce_bytes(group))
+
+    def _reduce_bytes(self, group: ParamGroup) -> ReduceBytes:
+        """``group``'s reduce for the root's ``ReduceQueue``: its input, the shard it leaves, and the
+        activations its weights kept for backward (from the forward's output rows; shapes only)."""
+        nbytes = group.flat.total_numel * group.reduce_dtype.itemsize
+        released = activation_bytes(self.forward_rows, self._in_features.get(id(group), 0), group.param_dtype)
+        return ReduceBytes(nbytes, nbytes // group.flat.world, released)
 
     def root_final_callback(self) -> None:
         """End of backward: reduce what no post-backward hook caught, reshard, finish reduces."""
@@ -379,6 +390,14 @@ class FSDPState:
         root.comm.new_iteration()
         root.callback_queued = False
         root.order_frozen = True
+
+
+def _rows(output: Any) -> int:
+    """Rows of a forward output (its first tensor's elements over its last dim; 0 without one)."""
+    t = output if isinstance(output, torch.Tensor) else next(iter(tensors(output)), None)
+    if t is None or t.dim() == 0 or t.shape[-1] == 0:
+        return 0
+    return t.numel() // t.shape[-1]
 
 
 class _PostBackward(torch.autograd.Function):

@@ -73,7 +73,7 @@ def test_gradient_accumulation_reduces_once() -> None:
 def _event_order() -> list[list[str]]:
     torch.manual_seed(0)
     model = shard_gpt(TinyGPT())
-    x, y = batches(1)[0]
+    x, y = batches(1, batch=16)[0]  # 8 sequences per rank: the CPU queue's budget lets reduces overlap
     orders = []
     for _ in range(2):
         with trace.record() as events:
@@ -94,11 +94,12 @@ def _event_order() -> list[list[str]]:
         # backward: the root kept its params (reshard_after_forward=None -> False for the root)
         # (a unit reshards as soon as its grads are taken, then reduce-scatters them: lower peak memory)
         "all_gather blocks.2", "unshard blocks.2", "reshard blocks.2", "reduce_scatter blocks.2",
-        # on CPU the first third of a backward's reduces (here 1 of 4 units) are finished at once: they
-        # would overlap the next units' backward, where most activations are still held (the memory peak)
+        # on CPU a reduce stays in flight only once the backward has released its input's bytes
+        # (ReduceQueue): a block's weights kept 128 rows x 337 input features in fp32 (168.5 KiB) and
+        # it leaves a 66 KiB shard: 102 KiB released after blocks.2 < its 132 KiB input: finished at once
         "reduce_done blocks.2",
-        # from then on one reduce-scatter stays in flight behind the next unit's backward; it is
-        # finished (grads assigned) just before that unit takes its grads and allocates its own buffers
+        # 205 KiB after blocks.1: from then on one reduce-scatter stays in flight behind the next unit's
+        # backward; it is finished (grads assigned) just before that unit takes its grads and allocates its own buffers
         "all_gather blocks.1", "unshard blocks.1", "reshard blocks.1", "reduce_scatter blocks.1",
         "all_gather blocks.0", "unshard blocks.0", "reduce_done blocks.1", "reshard blocks.0",
         "reduce_scatter blocks.0",
