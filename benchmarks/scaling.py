@@ -44,7 +44,6 @@ import json
 import multiprocessing as mp
 import os
 import socket
-import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
