@@ -18,6 +18,9 @@ wall time per launch on this loaded machine, and the axes need ~50 launches per 
 * time: the variants train side by side in the same processes, taking turns each step in a rotating
   order; a step's time is the slowest rank's (``fully_shard.tools.timing.timed_step``), the median over
   the measured steps is reported, and ours/torch is also given as the median of per-step paired ratios;
+  next to it the CPU time of a step (``time.process_time``: every thread of the process, gloo's included),
+  summed over the ranks: the work itself, less sensitive than wall time to other jobs on the machine
+  and to how much of the communication the compute hides;
   then one more step per variant with a counting wrapper around ``torch.distributed``'s collectives
   (both FSDP libraries call them through the module) gives the bytes per step; DDP's all-reduce bytes
   come from a comm hook on a separate copy (its C++ reducer calls the process group directly);
@@ -90,13 +93,13 @@ class Point:
 def axis_points(axis: str, quick: bool) -> list[Point]:
     """The points of ``axis`` (only the smallest, 2 steps after 1 warm-up, with ``quick``)."""
     if axis == "units":
-        pts = [Point(axis, n, 2, GPTConfig(vocab=512, dim=64, blocks=n, heads=4, seq=32), 2, 10, 2)
+        pts = [Point(axis, n, 2, GPTConfig(vocab=512, dim=64, blocks=n, heads=4, seq=32), 2, 8, 2)
                for n in (4, 8, 16, 32, 64)]
     elif axis == "width":
-        pts = [Point(axis, d, 2, GPTConfig(vocab=1024, dim=d, blocks=4, heads=4, seq=32), 2, 6, 2)
+        pts = [Point(axis, d, 2, GPTConfig(vocab=1024, dim=d, blocks=4, heads=4, seq=32), 2, 4, 1)
                for d in (128, 256, 512, 1024)]
     elif axis == "world":
-        pts = [Point(axis, w, w, GPTConfig(vocab=1024, dim=128, blocks=8, heads=4, seq=32), 2, 6, 2)
+        pts = [Point(axis, w, w, GPTConfig(vocab=1024, dim=128, blocks=8, heads=4, seq=32), 2, 6, 1)
                for w in (2, 4, 8)]
     else:
         raise SystemExit(f"scaling.py: unknown axis {axis!r}; expected one of {', '.join(AXES)}")
@@ -107,6 +110,7 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--axis", default="all", help="units | width | world | all")
     ap.add_argument("--quick", action="store_true", help="smoke run: the smallest point of each axis, 2 steps")
+    ap.add_argument("--values", default=None, help="only these axis values (comma list, e.g. --axis world --values 8)")
     ap.add_argument("--rounds", type=int, default=2, help="times each point is measured (fresh launches each)")
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="ours,torch,ddp (ours and torch needed "
                                                                           "for the ratios)")
@@ -204,8 +208,11 @@ class Launch:
 
 
 def one_step(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-             first_loss: dict[str, float]) -> None:
+             first_loss: dict[str, float], cpu: list[float]) -> None:
+    """One training step; its loss (the first one kept) and this process's CPU seconds (all threads)."""
+    c0 = time.process_time()
     loss = float(train_step(name, model, opt, x, y, bf16=False, device=torch.device("cpu")))
+    cpu.append(time.process_time() - c0)
     first_loss.setdefault(name, loss)
 
 
@@ -222,13 +229,16 @@ def run_time(job: Launch) -> dict[str, Any]:
         variants[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     times: dict[str, list[float]] = {n: [] for n in names}
     first_loss: dict[str, float] = {}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
     for i in range(job.warmup + job.steps):
         x, y = synthetic_batch(cfg, job.pt.batch, i, rank)
         for name in names[i % len(names):] + names[:i % len(names)]:
             model, opt = variants[name]
-            t = timed_step(functools.partial(one_step, name, model, opt, x, y, first_loss), device)
+            t = timed_step(functools.partial(one_step, name, model, opt, x, y, first_loss, cpu[name]), device)
             if i >= job.warmup:
                 times[name].append(t)
+    cpu_sum = torch.tensor([cpu[n][job.warmup:] for n in names], dtype=torch.float64)
+    dist.all_reduce(cpu_sum)  # CPU seconds per step summed over the ranks
     nbytes: dict[str, dict[str, int]] = {}
     x, y = synthetic_batch(cfg, job.pt.batch, job.warmup + job.steps, rank)
     for name in names:
@@ -240,7 +250,7 @@ def run_time(job: Launch) -> dict[str, Any]:
             train_step(name, model, opt, x, y, bf16=False, device=device)
         nbytes[name] = dict(counts)
     return {"params": sum(p.numel() for p in base.parameters()), "times_s": times, "bytes": nbytes,
-            "first_loss": first_loss}
+            "cpu_s": {n: cpu_sum[i].tolist() for i, n in enumerate(names)}, "first_loss": first_loss}
 
 
 def run_memory(job: Launch) -> dict[str, Any]:
@@ -335,11 +345,12 @@ def measure(pt: Point, names: list[str], mem_steps: int) -> dict[str, Any]:
     med = {n: median(ts) for n, ts in timing["times_s"].items()}
     row: dict[str, Any] = {"axis": pt.axis, "value": pt.value, "world": pt.world, "cfg": asdict(pt.cfg),
                            "batch": pt.batch, "params": timing["params"], "step_s": med,
+                           "cpu_s": {n: median(cs) for n, cs in timing["cpu_s"].items()},
                            "above_idle": {n: m["above_idle"] for n, m in memory.items()},
                            "peak": {n: m["peak"] for n, m in memory.items()},
                            "bytes": {n: sum(b.values()) for n, b in timing["bytes"].items()},
                            "bytes_by_kind": timing["bytes"], "first_loss": timing["first_loss"],
-                           "times_s": timing["times_s"], "loadavg": loadavg(),
+                           "times_s": timing["times_s"], "cpu_steps_s": timing["cpu_s"], "loadavg": loadavg(),
                            "wall_s": time.perf_counter() - t0}
     if "ours" in med and "torch" in med:
         row["paired"] = median([a / b for a, b in zip(timing["times_s"]["ours"], timing["times_s"]["torch"])])
@@ -370,9 +381,10 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         names = list(rs[0]["step_s"])
         s: dict[str, Any] = {"axis": key[0], "value": key[1], "world": rs[0]["world"], "params": rs[0]["params"],
                              "rounds": len(rs)}
-        for fig in ("step_s", "above_idle", "bytes"):
+        for fig in ("step_s", "cpu_s", "above_idle", "bytes"):
             s[fig] = {n: median([r[fig][n] for r in rs]) for n in names}
         s["time_ratios"] = [ratio(r["step_s"].get("ours"), r["step_s"].get("torch")) for r in rs]
+        s["cpu_ratios"] = [ratio(r["cpu_s"].get("ours"), r["cpu_s"].get("torch")) for r in rs]
         s["paired"] = [r.get("paired") for r in rs]
         s["mem_ratios"] = [ratio(r["above_idle"].get("ours"), r["above_idle"].get("torch")) for r in rs]
         s["bytes_ratio"] = ratio(s["bytes"].get("ours"), s["bytes"].get("torch"))
@@ -397,13 +409,15 @@ def table(summary: list[dict[str, Any]]) -> list[str]:
         def cols(fig: str, scale: float, spec: str, s: dict[str, Any], names: list[str] = names) -> str:
             return "/".join(fmt(s[fig][n] / scale if n in s[fig] else None, spec) for n in names)
 
-        lines.append(f"\naxis {axis} ({'/'.join(names)}; ratios ours/torch, per round; median over rounds)")
-        head = f"{axis:>6}{'params':>8}{'step ms':>22}{'time':>11}{'paired':>11}{'above idle MiB':>22}" \
-               f"{'mem':>11}{'MiB/step':>22}{'bytes':>7}"
+        lines.append(f"\naxis {axis} ({'/'.join(names)}; medians over rounds; ratios ours/torch, the range over "
+                     "rounds)")
+        head = f"{axis:>6}{'params':>8}{'wall ms':>22}{'wall':>11}{'paired':>11}{'CPU ms, all ranks':>22}" \
+               f"{'CPU':>11}{'above idle MiB':>22}{'mem':>11}{'MiB/step':>22}{'bytes':>7}"
         lines.append(header(head))
         for s in ss:
             lines.append(f"{s['value']:>6}{s['params'] / 1e6:>7.2f}M{cols('step_s', 1e-3, '.1f', s):>22}"
-                         f"{span(s['time_ratios']):>11}{span(s['paired']):>11}{cols('above_idle', MIB, '.1f', s):>22}"
+                         f"{span(s['time_ratios']):>11}{span(s['paired']):>11}{cols('cpu_s', 1e-3, '.0f', s):>22}"
+                         f"{span(s['cpu_ratios']):>11}{cols('above_idle', MIB, '.1f', s):>22}"
                          f"{span(s['mem_ratios']):>11}{cols('bytes', MIB, '.2f', s):>22}"
                          f"{fmt(s['bytes_ratio'], '.3f'):>7}")
     return lines
@@ -427,11 +441,13 @@ def plot(summary: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         xs = [s["value"] for s in ss]
         names = list(ss[0]["step_s"])
         fig, axes = plt.subplots(1, 4, figsize=(17, 4))
-        for ax, fig_key, scale, title in ((axes[0], "step_s", 1e-3, "step time (ms, median)"),
+        for ax, fig_key, scale, title in ((axes[0], "step_s", 1e-3, "step ms: wall (-), CPU of all ranks (--)"),
                                           (axes[1], "above_idle", MIB, "peak RSS above idle (MiB, max rank)"),
                                           (axes[2], "bytes", MIB, "collective bytes per step (MiB/rank)")):
-            for n in names:
-                ax.plot(xs, [s[fig_key][n] / scale for s in ss], marker="o", label=n)
+            for i, n in enumerate(names):
+                ax.plot(xs, [s[fig_key][n] / scale for s in ss], marker="o", label=n, color=f"C{i}")
+                if fig_key == "step_s":
+                    ax.plot(xs, [s["cpu_s"][n] / scale for s in ss], marker=".", ls="--", color=f"C{i}")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(title, fontsize=10)
@@ -439,7 +455,8 @@ def plot(summary: list[dict[str, Any]], out_dir: Path) -> list[Path]:
             ax.set_xticks(xs, [str(x) for x in xs])
             ax.legend(fontsize=8)
         ax = axes[3]
-        for key, label in (("time_ratios", "step time"), ("mem_ratios", "memory above idle")):
+        for key, label in (("time_ratios", "wall time"), ("cpu_ratios", "CPU time (all ranks)"),
+                           ("mem_ratios", "memory above idle")):
             ax.plot(xs, [median([v for v in s[key] if v is not None]) for s in ss], marker="o", label=label)
         ax.plot(xs, [s["bytes_ratio"] for s in ss], marker="o", label="bytes")
         ax.axhline(1.0, color="grey", lw=0.8)
@@ -464,6 +481,8 @@ def main() -> None:
         if n not in DEFAULT_VARIANTS:
             raise SystemExit(f"scaling.py: unknown variant {n!r}; expected some of {', '.join(DEFAULT_VARIANTS)}")
     points = [pt for a in axes for pt in axis_points(a, args.quick)]
+    if args.values:
+        points = [pt for pt in points if str(pt.value) in args.values.split(",")]
     rounds = 1 if args.quick else args.rounds
     args.output_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
