@@ -486,12 +486,15 @@ def main() -> None:
     rounds = 1 if args.quick else args.rounds
     args.output_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
+    suffix = "_quick" if args.quick else ""
+    partial = args.output_dir / f"scaling{suffix}.json"  # rewritten after each point; the summary at the end
     t0 = time.perf_counter()
     for rnd in range(rounds):
         for pt in points:
             row = measure(pt, names, args.mem_steps)
             row["round"] = rnd
             rows.append(row)
+            partial.write_text(json.dumps({"rows": rows, "machine": machine(), "partial": True}))
             ratio_s = fmt(ratio(row["step_s"].get("ours"), row["step_s"].get("torch")), ".3f")
             print(f"round {rnd + 1}/{rounds} {pt.axis}={pt.value}: ours/torch time {ratio_s}, "
                   f"{row['wall_s']:.0f} s, load {row['loadavg']}", flush=True)
@@ -507,7 +510,6 @@ def main() -> None:
              f"{max(s['loss_gap'] for s in summary):.2e}"]
     text = "\n".join(lines)
     print(text)
-    suffix = "_quick" if args.quick else ""
     (args.output_dir / f"scaling{suffix}.txt").write_text(text + "\n")
     (args.output_dir / f"scaling{suffix}.json").write_text(json.dumps({"summary": summary, "rows": rows,
                                                                        "machine": machine()}, indent=1))
