@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 
-from .boxes import Box
+from .boxes import Box, slabs
 from .codec import ST_TO_TORCH
 from .comm import Comm
 from .errors import CheckpointError, format_diff, short
@@ -162,22 +162,6 @@ def _kind(dtype: torch.dtype) -> str:
     return "float" if dtype.is_floating_point else "integer"
 
 
-def _pieces(part: Box, itemsize: int) -> list[Box]:
-    """``part`` cut along its first dim longer than 1 into pieces of at most _PIECE_BYTES (or one slice)."""
-    d = next((i for i, s in enumerate(part.sizes) if s > 1), None)
-    if d is None or part.numel * itemsize <= _PIECE_BYTES:
-        return [part]
-    per = part.numel // part.sizes[d] * itemsize
-    step = max(1, _PIECE_BYTES // per)
-    out = []
-    for start in range(0, part.sizes[d], step):
-        offsets, sizes = list(part.offsets), list(part.sizes)
-        offsets[d] += start
-        sizes[d] = min(step, part.sizes[d] - start)
-        out.append(Box(tuple(offsets), tuple(sizes)))
-    return out
-
-
 class Arena(threading.local):
     """Each reading thread's conversion buffer, reused from piece to piece (fresh memory costs page faults)."""
 
@@ -262,7 +246,7 @@ class _Plan:
             if inter is None:
                 continue
             dtype = ST_TO_TORCH[self.hf_dtype(link.hf)]
-            for piece in _pieces(inter, dtype.itemsize):
+            for piece in slabs(inter, max(1, _PIECE_BYTES // dtype.itemsize)):
                 self.reads.append(_Read(self.where_key[link.hf], link.hf, link.to_hf(piece),
                                         v.block(piece), link.op, link.dim, dtype))
 
