@@ -1,8 +1,10 @@
-"""DataFile.read_box: which preads a block costs, and that every block reads back bitwise.
+"""What reading a checkpoint costs in preads and bytes, and that every read comes back bitwise.
 
-A block of whole rows is one pread; a strided block (Shard(1) columns, TP) is one pread of the range
-enclosing its rows when the gaps are at most the wanted bytes, else one pread per row; a range longer
-than the span limit is cut into slabs of rows, one pread each.
+DataFile.read_box: a block of whole rows is one pread; a strided block (Shard(1) columns, TP) is one
+pread of the range enclosing its rows when the gaps are at most the wanted bytes, else one pread per
+row; a range longer than the span limit is cut into slabs of rows, one pread each. FileImage (a file
+of checkpoint.load's digest share read whole): bytes, digest, views, direct I/O and its fallback; and
+a load at the saving world size reads each byte of its files exactly once.
 """
 
 from __future__ import annotations
@@ -11,16 +13,21 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fully_shard.checkpoint import boxes, safetensors_io
+from fully_shard import checkpoint
+from fully_shard.checkpoint import boxes, image, safetensors_io
 from fully_shard.checkpoint.boxes import Box
 from fully_shard.checkpoint.safetensors_io import DataFile
+from tests.checkpoint import common as C
+from tests.distributed.harness import distributed
 
 
 @contextmanager
@@ -97,3 +104,92 @@ def test_any_block_reads_back_bitwise(tmp_path_factory: pytest.TempPathFactory, 
         assert len(reads) == (1 if boxes.span_read(run, starts) else len(starts))
         assert sum(reads) <= 2 * part.numel * 2
         assert torch.equal(got.view(torch.int16), t[part.slices()].view(torch.int16))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FileImage: a data file read whole once (checkpoint.load's digest share)
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_file_image_bytes_digest_views_and_release(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   direct: bool) -> None:
+    monkeypatch.setattr(image, "BLOCK_BYTES", 3 * 4096)  # many blocks in flight, a short last one
+    if not direct:
+        monkeypatch.setattr(image, "_set_direct", lambda fd, on: False)
+    tensors = {"a": torch.randn(1000, 7), "b": torch.arange(12345, dtype=torch.int16), "c": torch.randn(3)}
+    with _opened(tmp_path, tensors) as f:
+        f.header()
+        raw = (tmp_path / "f.safetensors").read_bytes()
+        img = image.FileImage(f, digest=True)
+        assert img.digest == xxhash.xxh3_128(raw).hexdigest() == f.digest()
+        assert img.map is not None and bytes(img.map[:len(raw)]) == raw
+        kept = img.keep("c")
+        for key, t in tensors.items():
+            assert torch.equal(img.tensor(key), t), key
+        img.release()
+        assert torch.equal(kept, tensors["c"])  # a kept view outlives the release
+        kept.add_(1)  # and is ordinary writable memory (an optimizer steps it in place)
+        assert torch.equal(kept, tensors["c"] + 1)
+
+
+def test_file_image_finishes_buffered_after_a_refused_direct_read(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = os.preadv
+
+    def refuse_aligned(fd: int, buffers: list[memoryview], offset: int) -> int:
+        calls.append(offset)
+        if len(calls) == 1:
+            raise OSError(22, "Invalid argument")  # EINVAL: the file system does not take direct I/O
+        return real(fd, buffers, offset)
+
+    tensors = {"a": torch.randn(5000)}
+    with _opened(tmp_path, tensors) as f:
+        f.header()
+        monkeypatch.setattr(image.os, "preadv", refuse_aligned)
+        img = image.FileImage(f, digest=True, threads=1)
+        assert img.digest == f.digest()
+        assert torch.equal(img.tensor("a"), tensors["a"])
+        assert calls[:2] == [0, 0]  # the same block again, buffered
+
+
+@distributed(world_size=2)
+def _loads_read_once(tmp: str) -> dict[str, Any]:
+    """Bytes read per data file by checkpoint.load at the saving world size, digests on."""
+    model = C.shard(C.make_gpt(seed=0, n_blocks=2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    C.train(model, opt, 0, 1)
+    checkpoint.save(os.path.join(tmp, "ck"), model, opt)
+    want_model, want_optim = C.full_state(model), C.full_optim(model, opt)
+    fresh = C.shard(C.make_gpt(seed=1, n_blocks=2))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    C.train(fresh, fresh_opt, 5, 1)
+    seen: dict[str, int] = {}
+    real = os.preadv
+
+    def counted(fd: int, buffers: list[memoryview], offset: int) -> int:
+        got = real(fd, buffers, offset)
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        seen[name] = seen.get(name, 0) + got
+        return got
+
+    with mock.patch.object(os, "preadv", counted):
+        checkpoint.load(os.path.join(tmp, "ck"), fresh, fresh_opt)
+    C.assert_same(C.full_state(fresh), want_model, "model")
+    C.assert_same(C.full_optim(fresh, fresh_opt), want_optim, "optimizer")
+    C.train(fresh, fresh_opt, 1, 1)  # the loaded state (views of the file images) trains
+    sizes = {n: os.path.getsize(os.path.join(tmp, "ck", n)) for n in seen if n.endswith(".safetensors")}
+    return {"seen": seen, "sizes": sizes}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names descriptors through /proc (Linux)")
+def test_load_reads_each_byte_of_its_files_once(tmp_path: Path) -> None:
+    """Its own files (its digest share): the header once (parsed before anything else), then every byte once
+    (the image); before, the digest pass read the file and the tensors were read again."""
+    for rank, out in enumerate(_loads_read_once(str(tmp_path))):
+        own = {n: b for n, b in out["seen"].items() if n.endswith(f"-rank{rank:05d}.safetensors")}
+        assert len(own) == 2, (rank, out)  # model and optimizer
+        for name, got in own.items():
+            with open(tmp_path / "ck" / name, "rb") as f:
+                head = 8 + int.from_bytes(f.read(8), "little")
+            assert got == head + out["sizes"][name], (rank, name, got, head, out["sizes"][name])
