@@ -22,15 +22,13 @@ import torch
 import xxhash
 
 from .codec import ST_TO_TORCH
+from .direct import ALIGN as _ALIGN
+from .direct import aligned, as_tensor
+from .direct import round_up as _round_up
 from .safetensors_io import DataFile
 
 BLOCK_BYTES = 8 << 20  # one read of the image; the reads of several blocks are in flight at once
-_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length in multiples of the logical block (<= a page)
 _PAGE = mmap.PAGESIZE
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
 
 
 def _set_direct(fd: int, on: bool) -> bool:
@@ -52,7 +50,7 @@ class FileImage:
     def __init__(self, f: DataFile, *, digest: bool, threads: int = 4) -> None:
         self.file = f
         self.size = f.size
-        self.map: mmap.mmap | None = mmap.mmap(-1, max(_round_up(self.size, _ALIGN), _ALIGN), flags=mmap.MAP_PRIVATE)
+        self.map: mmap.mmap | None = aligned(self.size)
         self.kept: list[tuple[int, int]] = []  # byte ranges that views handed out still use
         self.digest = self._read(digest, threads)
 
@@ -101,11 +99,7 @@ class FileImage:
         """Stored tensor ``key`` as a view of the image (its own storage, sharing the image's memory)."""
         assert self.map is not None
         dtype, shape, begin, end = self.file.header().tensors[key]
-        torch_dtype = ST_TO_TORCH[dtype]
-        if end == begin:
-            return torch.empty(shape, dtype=torch_dtype)
-        return torch.frombuffer(self.map, dtype=torch.uint8, count=end - begin, offset=begin).view(
-            torch_dtype).view(shape)
+        return as_tensor(self.map, begin, end - begin, ST_TO_TORCH[dtype], shape)
 
     def keep(self, key: str) -> torch.Tensor:
         """``tensor(key)``, to outlive the load: its pages are not released."""

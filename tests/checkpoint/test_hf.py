@@ -34,6 +34,7 @@ from fully_shard.checkpoint import (
     Split,
     Stack,
     Transpose,
+    direct,
     hf_load,
     hf_save,
     load_hf,
@@ -76,11 +77,13 @@ def _sharded_llama(tie: bool, dim: int, seed: int = 1) -> nn.Module:
 
 @contextmanager
 def _count_io() -> Iterator[dict[str, Any]]:
-    """Bytes this rank reads of tensor data (headers aside), the bytes of the blocks it asks for ("wanted"), and
-    the largest dtype-conversion buffer load_hf allocates."""
+    """Bytes this rank reads of tensor data (headers aside; a direct read's range before its widening to whole
+    pages), the bytes of the blocks it asks for ("wanted"), and the largest read buffer load_hf allocates
+    (dtype-conversion scratch or page-aligned direct-read buffer)."""
     seen: dict[str, Any] = {"read": 0, "wanted": 0, "scratch": 0, "keys": set()}
     lock, in_box = threading.Lock(), threading.local()
     read_into, read_box, scratch = DataFile.read_into, DataFile.read_box, hf_load.scratch
+    copy_direct, read_range, get = hf_load._Plan._copy_direct, hf_load.read_range, direct.AlignedArena.get
 
     def counted_read(self: DataFile, buf: memoryview, offset: int) -> None:
         if getattr(in_box, "on", False):
@@ -104,8 +107,29 @@ def _count_io() -> Iterator[dict[str, Any]]:
             seen["scratch"] = max(seen["scratch"], out.numel() * out.element_size())
         return out
 
+    def counted_direct(f: DataFile, fd: int, r: Any, pages: Any) -> bool:
+        done = copy_direct(f, fd, r, pages)
+        if done:
+            with lock:
+                seen["keys"].add(r.key)
+                seen["wanted"] += r.part.numel * r.dtype.itemsize
+        return done
+
+    def counted_range(fd: int, direct_fd: int | None, begin: int, end: int, *args: Any) -> Any:
+        with lock:
+            seen["read"] += end - begin
+        return read_range(fd, direct_fd, begin, end, *args)
+
+    def counted_get(self: Any, nbytes: int) -> Any:
+        with lock:
+            seen["scratch"] = max(seen["scratch"], nbytes)
+        return get(self, nbytes)
+
     with mock.patch.object(DataFile, "read_into", counted_read), mock.patch.object(DataFile, "read_box", counted_box), \
-            mock.patch.object(hf_load, "scratch", counted_scratch):
+            mock.patch.object(hf_load, "scratch", counted_scratch), \
+            mock.patch.object(hf_load._Plan, "_copy_direct", staticmethod(counted_direct)), \
+            mock.patch.object(hf_load, "read_range", counted_range), \
+            mock.patch.object(direct.AlignedArena, "get", counted_get):
         yield seen
 
 
@@ -159,10 +183,10 @@ def _check_llama(tmp: str) -> None:
         if dim == 1:  # the profiler sees the main thread's allocations: the load ran there (threads=1)
             allocations = sorted(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
             assert allocations and allocations[-1] < largest, (name, allocations[-5:], largest)
-        if file_dtype == torch.bfloat16:
-            assert 0 < io["scratch"] <= max(piece, 24 * file_dtype.itemsize) < largest, io["scratch"]
-        else:
-            assert io["scratch"] == 0  # same dtype: read straight into the local shards
+        # Read buffers: a piece (or one row), widened to whole pages for a direct read; never a full tensor's.
+        assert 0 < io["scratch"] <= direct.round_up(max(piece, 24 * file_dtype.itemsize), direct.ALIGN) + \
+            direct.ALIGN, io["scratch"]
+        assert io["scratch"] < largest or piece < largest < direct.ALIGN, (io["scratch"], largest)
     # save_hf -> from_pretrained, bitwise, several files written by several ranks.
     model = _sharded_llama(False, 0, seed=3)
     out = os.path.join(tmp, f"saved-{world}")

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fully_shard import checkpoint
-from fully_shard.checkpoint import boxes, image, safetensors_io
+from fully_shard.checkpoint import boxes, direct, image, safetensors_io
 from fully_shard.checkpoint.boxes import Box
 from fully_shard.checkpoint.safetensors_io import DataFile
 from tests.checkpoint import common as C
@@ -193,3 +193,37 @@ def test_load_reads_each_byte_of_its_files_once(tmp_path: Path) -> None:
             with open(tmp_path / "ck" / name, "rb") as f:
                 head = 8 + int.from_bytes(f.read(8), "little")
             assert got == head + out["sizes"][name], (rank, name, got, head, out["sizes"][name])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# direct.read_range: load_hf's contiguous pieces, read past the page cache
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_direct_read_range(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refuse: bool) -> None:
+    data = os.urandom(3 * direct.ALIGN + 123)
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    dfd = direct.open_direct(fd)
+    try:
+        if refuse:  # a file system without direct I/O: every direct read fails with EINVAL
+            real = os.preadv
+
+            def preadv(f: int, bufs: list[memoryview], offset: int) -> int:
+                if f == dfd:
+                    raise OSError(22, "Invalid argument")
+                return real(f, bufs, offset)
+            monkeypatch.setattr(direct.os, "preadv", preadv)
+        arena = direct.AlignedArena()
+        for begin, end in [(0, 10), (5, direct.ALIGN + 7), (direct.ALIGN, 2 * direct.ALIGN), (100, len(data)),
+                           (len(data) - 3, len(data))]:
+            buf, at = direct.read_range(fd, dfd, begin, end, arena)
+            assert bytes(buf[at:at + end - begin]) == data[begin:end], (begin, end)
+            got = direct.as_tensor(buf, at, end - begin, torch.uint8, (end - begin,))
+            assert bytes(got.numpy()) == data[begin:end]
+        with pytest.raises(EOFError, match="bytes short"):
+            direct.read_range(fd, dfd, len(data) - 3, len(data) + 5, arena)
+    finally:
+        if dfd is not None:
+            os.close(dfd)
+        os.close(fd)
