@@ -9,8 +9,9 @@ FileSystemWriter/FileSystemReader (its defaults: one file per rank, fsync on). E
 alternating order, into fresh directories; before every load the checkpoint's files are evicted from
 the page cache (posix_fadvise DONTNEED after fsync), so loads read the disk. The same run measures the
 disk's raw speed: every rank writes (and fsyncs) then reads back as many bytes as it checkpoints.
-Reports medians over rounds, time ratios ours/DCP (< 1 = faster), GB/s of checkpoint bytes, the share
-of our save spent hashing, and our load with and without digest verification.
+Reports every round (its order, the load average at its start, load ours/DCP), medians over rounds,
+time ratios ours/DCP (< 1 = faster), GB/s of checkpoint bytes, the share of our save spent hashing,
+and our load with and without digest verification.
 """
 
 from __future__ import annotations
@@ -138,9 +139,11 @@ def main() -> None:
         return {"model": model.state_dict(), "optim": checkpoint.get_optimizer_state_dict(model, opt)}
 
     results: dict[str, list[float]] = {k: [] for k in (
-        "ours_save", "ours_load", "ours_load_noverify", "dcp_save", "dcp_load", "raw_write", "raw_read", "hash")}
+        "ours_save", "ours_load", "ours_load_noverify", "dcp_save", "dcp_load", "raw_write", "raw_read", "hash",
+        "loadavg")}
     sizes: dict[str, int] = {}
     for rnd in range(args.rounds):
+        results["loadavg"].append(os.getloadavg()[0])
         w, r = raw_disk(root, local)
         results["raw_write"].append(w)
         results["raw_read"].append(r)
@@ -177,6 +180,12 @@ def main() -> None:
     total_state = local * dist.get_world_size()
     if rank == 0:
         gb = 1e9
+        print(f"{'round':>5}{'first':>6}{'loadavg':>9}{'ours load':>11}{'DCP load':>10}{'ours/DCP':>10}"
+              f"{'ours save':>11}{'DCP save':>10}{'ours/DCP':>10}")
+        for i in range(args.rounds):
+            ol, dl, os_, ds = (results[k][i] for k in ("ours_load", "dcp_load", "ours_save", "dcp_save"))
+            print(f"{i:>5}{'ours' if i % 2 == 0 else 'DCP':>6}{results['loadavg'][i]:>9.2f}{ol:>11.3f}{dl:>10.3f}"
+                  f"{ol / dl:>10.2f}{os_:>11.3f}{ds:>10.3f}{os_ / ds:>10.2f}")
         print(f"bytes on disk: ours {sizes['ours'] / gb:.3f} GB, DCP {sizes['dcp'] / gb:.3f} GB "
               f"(state {total_state / gb:.3f} GB)")
         print(f"raw disk (all ranks at once): write+fsync {total_state / med['raw_write'] / gb:.2f} GB/s, "

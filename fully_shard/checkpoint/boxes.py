@@ -215,6 +215,35 @@ def runs(sizes: Sequence[int], part: Box) -> tuple[int, list[int]]:
     return run, starts
 
 
+def span_read(run: int, starts: Sequence[int]) -> bool:
+    """Whether to read runs ``(run, starts)`` as one range from the first to the end of the last.
+
+    Yes when there are several runs and the gap bytes between them are at most the wanted bytes (a
+    column block of at least half of each row): one read of at most twice the data instead of a read
+    per run. A narrower block is read run by run, so no read is more than twice what the rank needs.
+    """
+    if len(starts) < 2:
+        return False
+    wanted = run * len(starts)
+    return starts[-1] + run - starts[0] - wanted <= wanted
+
+
+def slabs(part: Box, max_numel: int) -> list[Box]:
+    """``part`` cut along its first dim longer than 1 into boxes of at most ``max_numel`` elements (at least one
+    index of that dim each); the whole ``part`` when it fits or no dim is longer than 1."""
+    d = next((i for i, s in enumerate(part.sizes) if s > 1), None)
+    if d is None or part.numel <= max_numel:
+        return [part]
+    step = max(1, max_numel // (part.numel // part.sizes[d]))
+    out = []
+    for start in range(0, part.sizes[d], step):
+        offsets, sizes = list(part.offsets), list(part.sizes)
+        offsets[d] += start
+        sizes[d] = min(step, part.sizes[d] - start)
+        out.append(Box(tuple(offsets), tuple(sizes)))
+    return out
+
+
 def coverage_problem(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     """None if ``boxes`` (each non-empty, inside ``shape``) tile the tensor exactly once, else what is wrong.
 

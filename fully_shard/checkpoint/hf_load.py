@@ -18,6 +18,7 @@ import datetime
 import math
 import os
 import re
+import sys
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -27,9 +28,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 
-from .boxes import Box
+from .boxes import Box, runs, slabs
 from .codec import ST_TO_TORCH
 from .comm import Comm
+from .direct import AlignedArena, as_tensor, open_direct, read_range
 from .errors import CheckpointError, format_diff, short
 from .hf_keys import COPY, STACK, TRANSPOSE, KeyMap, Link, RenameSpec
 from .safetensors_io import DataFile, Header, open_regular
@@ -65,6 +67,7 @@ class HFDirectory:
             raise CheckpointError(f"{path} is a file, expected a directory; fix: pass the directory that holds "
                                   f"{HF_SINGLE} or {HF_INDEX}") from None
         self.opened: dict[str, DataFile] = {}
+        self.direct: dict[str, int | None] = {}  # a direct-I/O descriptor of each opened file (direct.py)
         try:
             self.weight_map, self.files = self._read_index()
         except BaseException:
@@ -77,7 +80,11 @@ class HFDirectory:
     def close(self) -> None:
         for f in self.opened.values():
             f.close()
+        for fd in self.direct.values():
+            if fd is not None:
+                os.close(fd)
         self.opened.clear()
+        self.direct.clear()
         os.close(self.dir_fd)
 
     def _read_index(self) -> tuple[dict[str, str] | None, list[str]]:
@@ -140,6 +147,8 @@ class HFDirectory:
     def adopt(self, name: str, header: Mapping[str, list[Any]]) -> DataFile:
         f = self.open(name)
         f.adopt(Header({k: (d, tuple(s), b, e) for k, (d, s, b, e) in header.items()}, {}))
+        if name not in self.direct:
+            self.direct[name] = open_direct(f.fd) if sys.byteorder == "little" else None
         return f
 
 
@@ -160,22 +169,6 @@ def _kind(dtype: torch.dtype) -> str:
     if dtype.is_complex:
         return "complex"
     return "float" if dtype.is_floating_point else "integer"
-
-
-def _pieces(part: Box, itemsize: int) -> list[Box]:
-    """``part`` cut along its first dim longer than 1 into pieces of at most _PIECE_BYTES (or one slice)."""
-    d = next((i for i, s in enumerate(part.sizes) if s > 1), None)
-    if d is None or part.numel * itemsize <= _PIECE_BYTES:
-        return [part]
-    per = part.numel // part.sizes[d] * itemsize
-    step = max(1, _PIECE_BYTES // per)
-    out = []
-    for start in range(0, part.sizes[d], step):
-        offsets, sizes = list(part.offsets), list(part.sizes)
-        offsets[d] += start
-        sizes[d] = min(step, part.sizes[d] - start)
-        out.append(Box(tuple(offsets), tuple(sizes)))
-    return out
 
 
 class Arena(threading.local):
@@ -262,7 +255,7 @@ class _Plan:
             if inter is None:
                 continue
             dtype = ST_TO_TORCH[self.hf_dtype(link.hf)]
-            for piece in _pieces(inter, dtype.itemsize):
+            for piece in slabs(inter, max(1, _PIECE_BYTES // dtype.itemsize)):
                 self.reads.append(_Read(self.where_key[link.hf], link.hf, link.to_hf(piece),
                                         v.block(piece), link.op, link.dim, dtype))
 
@@ -271,24 +264,43 @@ class _Plan:
             self.dir.adopt(name, self.headers[name])
 
     def run(self, threads: int) -> None:
-        arena = Arena()
+        arena, pages = Arena(), AlignedArena()
         with torch.no_grad():
             if threads <= 1 or len(self.reads) <= 1:
                 for r in self.reads:
-                    self._read(r, arena)
+                    self._read(r, arena, pages)
                 return
             with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="load_hf") as pool:
-                for future in [pool.submit(self._read, r, arena) for r in self.reads]:
+                for future in [pool.submit(self._read, r, arena, pages) for r in self.reads]:
                     future.result()
 
-    def _read(self, r: _Read, arena: Arena) -> None:
+    def _read(self, r: _Read, arena: Arena, pages: AlignedArena) -> None:
         f = self.dir.opened[r.file]
         try:
+            direct = self.dir.direct.get(r.file)
+            if direct is not None and self._copy_direct(f, direct, r, pages):
+                return
             self._copy(f, r, arena)
         except CheckpointError:
             raise
         except Exception as e:
             raise CheckpointError(f"{f.where}: reading {r.key!r} failed ({type(e).__name__}: {e})") from e
+
+    @staticmethod
+    def _copy_direct(f: DataFile, direct: int, r: _Read, pages: AlignedArena) -> bool:
+        """A piece that is one contiguous range of the file: read past the page cache into this thread's
+        page-aligned buffer, then converted into place (False: the piece is strided, use ``_copy``)."""
+        _, shape, begin, _ = f.header().tensors[r.key]
+        run, starts = runs(shape, r.part)
+        if len(starts) != 1:
+            return False
+        item = r.dtype.itemsize
+        lo, n = begin + starts[0] * item, run * item
+        buf, at = read_range(f.fd, direct, lo, lo + n, pages, f.bad)
+        src = as_tensor(buf, at, n, r.dtype, r.part.sizes)
+        with torch.no_grad():
+            r.dst.copy_(src.t() if r.op == TRANSPOSE else src.unsqueeze(r.dim) if r.op == STACK else src)
+        return True
 
     @staticmethod
     def _copy(f: DataFile, r: _Read, arena: Arena) -> None:

@@ -15,9 +15,12 @@ Phases (each runs inside ``comm.phase``, so bad input raises the same error on e
 from __future__ import annotations
 
 import datetime
+import functools
 import os
+import sys
 import warnings
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +33,7 @@ from .boxes import Box, full_box, overlaps
 from .codec import ST_TO_TORCH, Encoded, decode, tensor_refs
 from .comm import Comm
 from .errors import CheckpointError, Signature, check_structure
+from .image import FileImage
 from .snapshot import Snapshot, Vanished
 from .state_dict import torch_optimizer_state
 from .views import box_of, from_local_like, model_views, optimizer_params, state_is_sharded
@@ -46,6 +50,7 @@ class Read:
     key: str
     src: Box  # the part of the stored chunk tensor, relative to the chunk
     dst: torch.Tensor  # where it goes (a view of the target)
+    take: Callable[[torch.Tensor], None] | None = None  # fresh ``dst`` of a whole chunk: may take a view instead
 
 
 @dataclass
@@ -56,6 +61,9 @@ class _OptimLocal:
     param: torch.Tensor
     sharded: bool  # a DTensor laid out like ``param``
     shape: tuple[int, ...]
+
+    def take(self, local: torch.Tensor) -> None:
+        self.local = local
 
     def value(self) -> torch.Tensor:
         if self.sharded and isinstance(self.param, DTensor):
@@ -74,15 +82,24 @@ class Loader:
         self.blobs: dict[str, torch.Tensor] = {}
         self.structure: dict[str, Signature] = {}
         self.digests: set[str] = set()  # the files this rank hashes
+        self.whole: set[str] = set()  # the files this rank reads whole into memory (image.py), hashed there
+        self.images: dict[str, FileImage] = {}  # those of them this rank reads tensors from, until close()
 
     @property
     def where(self) -> str:
         return os.path.join(self.snap.path, fmt.INDEX_FILE)
 
-    def add(self, reads: list[Read], entry: fmt.TensorEntry, held: Box, dst: torch.Tensor) -> None:
-        """Plan reading box ``held`` of ``entry`` into ``dst``: only the stored parts that overlap it."""
-        for chunk, part in overlaps(entry.chunks, held):
-            reads.append(Read(chunk.file, chunk.key, part.relative_to(chunk.box), dst[part.slices(held)]))
+    def add(self, reads: list[Read], entry: fmt.TensorEntry, held: Box, dst: torch.Tensor,
+            take: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Plan reading box ``held`` of ``entry`` into ``dst``: only the stored parts that overlap it.
+
+        ``take``: ``dst`` is fresh CPU memory that may be replaced by the stored chunk itself (a view of
+        its file's image) when that chunk is exactly ``held``."""
+        parts = overlaps(entry.chunks, held)
+        whole = take is not None and len(parts) == 1 and parts[0][0].box == held and dst.device.type == "cpu"
+        for chunk, part in parts:
+            reads.append(Read(chunk.file, chunk.key, part.relative_to(chunk.box), dst[part.slices(held)],
+                              take if whole else None))
 
     def plan_model(self, model: nn.Module, strict: bool) -> None:
         views, aliases = model_views(model)
@@ -127,8 +144,9 @@ class Loader:
                 else:
                     held, device = full_box(value.shape), torch.device("cpu")
                 local = torch.empty(held.sizes, dtype=ST_TO_TORCH[value.dtype], device=device)
-                self.optim_locals[(fqn, name)] = _OptimLocal(local, p, sharded and isinstance(p, DTensor), value.shape)
-                self.add(self.side_reads, value, held, local)
+                optim_local = _OptimLocal(local, p, sharded and isinstance(p, DTensor), value.shape)
+                self.optim_locals[(fqn, name)] = optim_local
+                self.add(self.side_reads, value, held, local, take=optim_local.take)
 
     def encoded_trees(self, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, Encoded]]:
         """(where, tree) of every encoded value this rank decodes: its extra, hyperparameters, values."""
@@ -151,7 +169,8 @@ class Loader:
                                           "'blobs'; fix: the index is damaged")
                 if name not in self.blobs:
                     self.blobs[name] = torch.empty(entry.shape, dtype=ST_TO_TORCH[entry.dtype])
-                    self.add(self.side_reads, entry, full_box(entry.shape), self.blobs[name])
+                    self.add(self.side_reads, entry, full_box(entry.shape), self.blobs[name],
+                             take=functools.partial(self.blobs.__setitem__, name))
 
     def extra_tree(self) -> Encoded:
         index = self.index
@@ -166,12 +185,30 @@ class Loader:
         used = {c.file for ns, _, e in self.index.all_tensors() if ns in namespaces for c in e.chunks}
         return {n for n in used if self.index.files[n].rank % self.comm.world == self.comm.rank}
 
-    def check_files(self) -> None:
+    def check_files(self, reads: Sequence[Read] = ()) -> None:
+        """Every opened file's header and records; the digests of this rank's share. The files in ``whole``
+        are read into images (image.py) and hashed there; those that ``reads`` use are kept until close()."""
         stored = self.snap.stored_by_file()
+        used = {r.file for r in reads}
         for name in sorted(self.snap.files):
             self.snap.check(name, stored[name])
-            if name in self.digests:
+            if name in self.whole:
+                image = FileImage(self.snap.files[name], digest=name in self.digests)
+                if image.digest is not None:
+                    self.snap.verify_digest(name, image.digest)
+                if name in used:
+                    self.images[name] = image
+                else:
+                    image.release()
+            elif name in self.digests:
                 self.snap.verify_digest(name)
+
+    def close(self) -> None:
+        """Release the images' pages that no view uses, and close the files."""
+        for image in self.images.values():
+            image.release()
+        self.images.clear()
+        self.snap.close()
 
     def run(self, reads: list[Read]) -> None:
         by_file: dict[str, list[Read]] = defaultdict(list)
@@ -180,9 +217,15 @@ class Loader:
         with torch.no_grad():
             for name, file_reads in sorted(by_file.items()):
                 f = self.snap.files[name]
+                image = self.images.get(name)
                 try:
                     for r in file_reads:
-                        f.read_box(r.key, r.src, r.dst)
+                        if image is None:
+                            f.read_box(r.key, r.src, r.dst)
+                        elif r.take is not None:
+                            r.take(image.keep(r.key))
+                        else:
+                            r.dst.copy_(image.tensor(r.key)[r.src.slices()])
                 except CheckpointError:
                     raise
                 except Exception as e:
@@ -230,8 +273,12 @@ def _open(comm: Comm, path: str, model: nn.Module, optimizer: torch.optim.Optimi
                 loader.plan_optimizer(model, optimizer, strict)
             loader.plan_blobs(optimizer)
             namespaces = {"model", "extra"} | ({"optim"} if optimizer is not None else set())
-            loader.digests = loader.digest_share(namespaces) if verify else set()
-            snapshot.open({r.file for r in loader.model_reads + loader.side_reads} | loader.digests)
+            share = loader.digest_share(namespaces)
+            loader.digests = share if verify else set()
+            used = {r.file for r in loader.model_reads + loader.side_reads}
+            if sys.byteorder == "little":  # images hold the files' (little-endian) bytes as they are
+                loader.whole = share & (used | loader.digests)
+            snapshot.open(used | loader.digests)
             return loader
         except Vanished:
             snapshot.close()
@@ -266,7 +313,7 @@ def load(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.
             facts["model structure"] = {k: [d, list(s)] for k, (d, s) in sorted(loader.structure.items())}
         prepared: dict[str, Any] | None = None
         with comm.phase(f"{what}: verifying files, decoding optimizer state and extra"):
-            loader.check_files()
+            loader.check_files(loader.model_reads + loader.side_reads)
             loader.run(loader.side_reads)
             if optimizer is not None and loader.index.optimizer is not None:
                 prepared = torch_optimizer_state(model, optimizer, loader.optimizer_state_dict(), strict,
@@ -279,5 +326,5 @@ def load(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.
                 optimizer.load_state_dict(prepared)
     finally:
         if loader is not None:
-            loader.snap.close()
+            loader.close()
     return result

@@ -22,12 +22,13 @@ import torch
 import xxhash
 
 from . import format as fmt
-from .boxes import Box, runs
+from .boxes import Box, runs, slabs, span_read
 from .codec import st_dtype
 from .errors import CheckpointError
 from .validate import loads_strict
 
 _READ_BLOCK = 16 << 20
+_SPAN_BYTES = 16 << 20  # a strided block read as enclosing ranges: each range at most this (or one index of dim 0)
 
 
 def fsync_path(path: str, directory: bool = False) -> None:
@@ -269,15 +270,20 @@ class DataFile:
     def read_box(self, key: str, part: Box, dst: torch.Tensor) -> None:
         """Copy ``part`` (indices relative to stored tensor ``key``) into ``dst`` (of ``part.sizes``).
 
-        Reads exactly the bytes of ``part``: one ``pread`` per contiguous run (boxes.runs), so a block of
-        whole rows is one read and a column block one read per row.
+        A block of whole rows is one contiguous run: one ``pread`` straight into ``dst``. A strided block
+        (``Shard(1)``, TP columns: one run per row) is read as the range enclosing its runs, once, into
+        a buffer the rows are copied out of, when the gaps are at most the wanted bytes
+        (boxes.span_read; ranges of at most _SPAN_BYTES); a narrower block is read with one ``pread``
+        per run, so a rank never reads more than twice its bytes.
         """
         dtype, shape, begin, _ = self.header().tensors[key]
         item = fmt.DTYPE_SIZES[dtype]
         run, starts = runs(shape, part)
         staged = dst if dst.device.type == "cpu" and dst.is_contiguous() else torch.empty(
             dst.shape, dtype=dst.dtype)
-        if staged.numel():
+        if staged.numel() and span_read(run, starts):
+            self._read_spans(begin, item, shape, part, staged)
+        elif staged.numel():
             buf = tensor_bytes(staged).cast("B")
             step = run * item
             for i, start in enumerate(starts):
@@ -287,6 +293,19 @@ class DataFile:
         if staged is not dst:
             dst.copy_(staged)
 
+    def _read_spans(self, begin: int, item: int, shape: tuple[int, ...], part: Box, staged: torch.Tensor) -> None:
+        """``part`` (strided runs) into contiguous ``staged``: per slab, one read of the enclosing range.
+
+        A slab of ``n`` elements spans at most ``2 n`` (span_read holds for every slab when it holds for
+        ``part``), so slabs of ``_SPAN_BYTES / 2`` bytes of data keep each range within ``_SPAN_BYTES``."""
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        for slab in slabs(part, max(1, _SPAN_BYTES // (2 * item))):
+            run, starts = runs(shape, slab)
+            span = torch.empty(starts[-1] + run - starts[0], dtype=staged.dtype)
+            self.read_into(tensor_bytes(span).cast("B"), begin + starts[0] * item)
+            if sys.byteorder != "little" and span.element_size() > 1:
+                span = _little_endian(span)
+            staged[slab.relative_to(part).slices()].copy_(span.as_strided(slab.sizes, strides))
 
 @dataclass(frozen=True)
 class TensorMeta:

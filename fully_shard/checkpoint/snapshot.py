@@ -125,10 +125,11 @@ class Snapshot:
                             f"found {dtype}{list(shape)} recorded as {records[s.chunk.key]}; the file does not "
                             "belong to this index (mixed checkpoints?) or is damaged")
 
-    def verify_digest(self, name: str) -> None:
+    def verify_digest(self, name: str, digest: str | None = None) -> None:
+        """The file's content digest (``digest`` if already taken, else hashed now) against the index's."""
         f = self.files[name]
         recorded = self.index.files[name].digest
-        digest = f.digest()
+        digest = f.digest() if digest is None else digest
         if digest != recorded:
             raise CheckpointError(f"{f.where}: content digest {digest} differs from {recorded} recorded in "
                                   f"{fmt.INDEX_FILE} (xxh3_128): the file was modified or corrupted after the save; "

@@ -34,11 +34,13 @@ from fully_shard.checkpoint import (
     Split,
     Stack,
     Transpose,
+    direct,
     hf_load,
     hf_save,
     load_hf,
     save_hf,
 )
+from fully_shard.checkpoint import format as fmt
 from fully_shard.checkpoint.safetensors_io import DataFile
 from tests.checkpoint.common import assert_clear_errors
 from tests.distributed.harness import distributed
@@ -75,11 +77,13 @@ def _sharded_llama(tie: bool, dim: int, seed: int = 1) -> nn.Module:
 
 @contextmanager
 def _count_io() -> Iterator[dict[str, Any]]:
-    """Bytes this rank reads of tensor data (headers aside), and the largest dtype-conversion buffer load_hf
-    allocates."""
-    seen: dict[str, Any] = {"read": 0, "scratch": 0, "keys": set()}
+    """Bytes this rank reads of tensor data (headers aside; a direct read's range before its widening to whole
+    pages), the bytes of the blocks it asks for ("wanted"), and the largest read buffer load_hf allocates
+    (dtype-conversion scratch or page-aligned direct-read buffer)."""
+    seen: dict[str, Any] = {"read": 0, "wanted": 0, "scratch": 0, "keys": set()}
     lock, in_box = threading.Lock(), threading.local()
     read_into, read_box, scratch = DataFile.read_into, DataFile.read_box, hf_load.scratch
+    copy_direct, read_range, get = hf_load._Plan._copy_direct, hf_load.read_range, direct.AlignedArena.get
 
     def counted_read(self: DataFile, buf: memoryview, offset: int) -> None:
         if getattr(in_box, "on", False):
@@ -90,6 +94,7 @@ def _count_io() -> Iterator[dict[str, Any]]:
     def counted_box(self: DataFile, key: str, part: Any, dst: torch.Tensor) -> None:
         with lock:
             seen["keys"].add(key)
+            seen["wanted"] += part.numel * fmt.DTYPE_SIZES[self.header().tensors[key][0]]
         in_box.on = True
         try:
             read_box(self, key, part, dst)
@@ -102,8 +107,29 @@ def _count_io() -> Iterator[dict[str, Any]]:
             seen["scratch"] = max(seen["scratch"], out.numel() * out.element_size())
         return out
 
+    def counted_direct(f: DataFile, fd: int, r: Any, pages: Any) -> bool:
+        done = copy_direct(f, fd, r, pages)
+        if done:
+            with lock:
+                seen["keys"].add(r.key)
+                seen["wanted"] += r.part.numel * r.dtype.itemsize
+        return done
+
+    def counted_range(fd: int, direct_fd: int | None, begin: int, end: int, *args: Any) -> Any:
+        with lock:
+            seen["read"] += end - begin
+        return read_range(fd, direct_fd, begin, end, *args)
+
+    def counted_get(self: Any, nbytes: int) -> Any:
+        with lock:
+            seen["scratch"] = max(seen["scratch"], nbytes)
+        return get(self, nbytes)
+
     with mock.patch.object(DataFile, "read_into", counted_read), mock.patch.object(DataFile, "read_box", counted_box), \
-            mock.patch.object(hf_load, "scratch", counted_scratch):
+            mock.patch.object(hf_load, "scratch", counted_scratch), \
+            mock.patch.object(hf_load._Plan, "_copy_direct", staticmethod(counted_direct)), \
+            mock.patch.object(hf_load, "read_range", counted_range), \
+            mock.patch.object(direct.AlignedArena, "get", counted_get):
         yield seen
 
 
@@ -147,16 +173,20 @@ def _check_llama(tmp: str) -> None:
             assert torch.equal(_full(p), ref_sd[key]), (name, key)
         if tie:
             assert model.lm_head.weight is model.model.embed_tokens.weight, "the tie was lost"
-        # Shard on read: exactly the bytes of this rank's blocks; conversion buffers far below any full tensor.
-        assert io["read"] == _held_bytes(model, file_dtype.itemsize), (name, rank, io["read"])
+        # Shard on read: exactly the bytes of this rank's blocks, read as such for whole rows; a column block
+        # (Shard(1)) as the range enclosing its rows where that is at most twice its bytes (test_reads.py counts
+        # the preads); conversion buffers far below any full tensor.
+        assert io["wanted"] == _held_bytes(model, file_dtype.itemsize), (name, rank, io["wanted"])
+        assert io["read"] == io["wanted"] if dim == 0 else io["wanted"] <= io["read"] <= 2 * io["wanted"], \
+            (name, rank, io["read"], io["wanted"])
         largest = max(t.numel() * file_dtype.itemsize for t in ref_sd.values())
         if dim == 1:  # the profiler sees the main thread's allocations: the load ran there (threads=1)
             allocations = sorted(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
             assert allocations and allocations[-1] < largest, (name, allocations[-5:], largest)
-        if file_dtype == torch.bfloat16:
-            assert 0 < io["scratch"] <= max(piece, 24 * file_dtype.itemsize) < largest, io["scratch"]
-        else:
-            assert io["scratch"] == 0  # same dtype: read straight into the local shards
+        # Read buffers: a piece (or one row), widened to whole pages for a direct read; never a full tensor's.
+        assert 0 < io["scratch"] <= direct.round_up(max(piece, 24 * file_dtype.itemsize), direct.ALIGN) + \
+            direct.ALIGN, io["scratch"]
+        assert io["scratch"] < largest or piece < largest < direct.ALIGN, (io["scratch"], largest)
     # save_hf -> from_pretrained, bitwise, several files written by several ranks.
     model = _sharded_llama(False, 0, seed=3)
     out = os.path.join(tmp, f"saved-{world}")
@@ -275,7 +305,8 @@ def _check_transforms(tmp: str) -> None:
     assert read_experts == local, (rank, read_experts, local)
     held = sum(p.to_local().numel() * 4 for p in model.parameters())  # type: ignore[attr-defined]
     o_t_bytes = sum(model.layers[i].o_t.to_local().numel() * 2 for i in range(LAYERS))  # type: ignore[union-attr]
-    assert io["read"] == held - o_t_bytes, (io["read"], held, o_t_bytes)  # o_proj is bf16 in the file
+    assert io["wanted"] == held - o_t_bytes, (io["wanted"], held, o_t_bytes)  # o_proj is bf16 in the file
+    assert io["wanted"] <= io["read"] <= 2 * io["wanted"], io  # o_t's rows are o_proj's columns: enclosing ranges
     # The same map, inverted: save_hf writes the HF tensors back bitwise (dtype: the model's, so o_proj is F32).
     out = os.path.join(tmp, f"out-{world}")
     save_hf(out, model, key_map=KEY_MAP, max_shard_size=600)
@@ -328,7 +359,8 @@ def _two_d(tmp: str) -> None:
         load_hf(os.path.join(tmp, "2d"), module)
     for name, p in module.named_parameters():
         assert torch.equal(_full(p), hf[name]), name
-    assert io["read"] == sum(p.to_local().numel() * 4 for p in module.parameters())  # type: ignore[attr-defined]
+    assert io["wanted"] == sum(p.to_local().numel() * 4 for p in module.parameters())  # type: ignore[attr-defined]
+    assert io["wanted"] <= io["read"] <= 2 * io["wanted"], io  # column blocks: enclosing ranges (test_reads.py)
     save_hf(os.path.join(tmp, "2d-out"), module)
     dist.barrier()
     back = load_file(os.path.join(tmp, "2d-out", "model.safetensors"))
