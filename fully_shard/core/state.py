@@ -448,6 +448,8 @@ class _PostBackwardEager(torch.autograd.Function):
 
 
 def _register_post_backward(state: FSDPState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if not kwargs and type(args) is tuple and all(isinstance(a, torch.Tensor) for a in args):
+        return _register_post_backward_tensors(state, args), kwargs  # a forward of tensors only: no tree walk
     flat = [t for t in tensors((args, kwargs)) if t.requires_grad]
     if not flat:
         return args, kwargs
@@ -457,6 +459,17 @@ def _register_post_backward(state: FSDPState, args: tuple, kwargs: dict) -> tupl
     replacement = {id(t): o for t, o in zip(flat, outputs)}
     swap: Callable[[torch.Tensor], torch.Tensor] = lambda t: replacement.get(id(t), t)  # noqa: E731
     return map_tensors(swap, args), map_tensors(swap, kwargs)
+
+
+def _register_post_backward_tensors(state: FSDPState, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``_register_post_backward`` for positional tensor args: the same Function call, the same outputs."""
+    flat = [t for t in args if t.requires_grad]
+    if not flat:
+        return args
+    state._awaits_post_backward = True
+    function = _PostBackward if torch._C._are_functorch_transforms_active() else _PostBackwardEager
+    outputs = iter(function.apply(state, *flat))
+    return tuple([next(outputs) if t.requires_grad else t for t in args])
 
 
 def _member_params(modules: tuple[nn.Module, ...],
