@@ -105,9 +105,9 @@ def _direct(group: Any, *tensors: torch.Tensor) -> bool:
 
 def _options(kind: type, async_op: bool, op: Any = None) -> Any:
     """One options object per (kind, async_op, op), reused: the backend copies it per call."""
-    key = (kind, async_op, op)
+    key: tuple[type, bool, Any] | None = (kind, async_op, op)
     try:
-        return _OPTIONS[key]
+        return _OPTIONS[key]  # type: ignore[index]
     except KeyError:
         pass
     except TypeError:  # an unhashable op (e.g. a PREMUL_SUM ReduceOp object): a new object

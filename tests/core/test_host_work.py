@@ -107,3 +107,77 @@ def test_gradient_dtensor_is_what_from_local_builds() -> None:
     and on the fallback."""
     for bad in _like_vs_from_local():
         assert bad == []
+
+
+class _OrderedCollectives(TorchDispatchMode):
+    """The c10d ops a block dispatches, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if "c10d" in str(func._overloadpacket):
+            self.ops.append(str(func._overloadpacket).split(".")[-1])
+        return func(*args, **(kwargs or {}))
+
+
+@distributed(world_size=2)
+def _direct_vs_wrapper() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from fully_shard.comm import collectives
+
+    wrapper_calls: Counter[str] = Counter()
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_single", "all_gather_into_tensor")
+                 if hasattr(dist, name)}
+
+    def counting(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            wrapper_calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, counting(name, fn))
+    out: dict[str, Any] = {}
+    try:
+        for direct in (True, False):
+            previous = collectives.direct_calls(direct)
+            try:
+                model = _model()
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                x = torch.randn(2, 4)
+                wrapper_calls.clear()
+                with _OrderedCollectives() as seen:
+                    for _ in range(2):
+                        model(x).sum().backward()
+                        opt.step()
+                        opt.zero_grad()
+                out[str(direct)] = {"ops": seen.ops, "wrapper_calls": dict(wrapper_calls),
+                                    "params": [p.full_tensor().detach() for p in model.parameters()]}
+            finally:
+                collectives.direct_calls(previous)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    out["direct_all_gather"] = hasattr(dist.ProcessGroup, "all_gather_single")
+    return out
+
+
+def test_direct_process_group_calls_issue_what_the_wrappers_issue() -> None:
+    """The hot path calls the process group's method (``allreduce``; ``all_gather_single`` where torch has
+    it) instead of ``torch.distributed``'s function: the same c10d ops in the same order and the same
+    bits as through the functions (``direct_calls(False)``, the fallback), and no function call per step."""
+    for rank, out in enumerate(_direct_vs_wrapper()):
+        direct, wrapped = out["True"], out["False"]
+        assert direct["ops"] == wrapped["ops"] and direct["ops"], (rank, direct["ops"], wrapped["ops"])
+        for a, b in zip(direct["params"], wrapped["params"]):
+            assert torch.equal(a, b), rank
+        assert wrapped["wrapper_calls"].get("all_reduce", 0) > 0, (rank, wrapped)
+        assert direct["wrapper_calls"].get("all_reduce", 0) == 0, (rank, direct)
+        gathers = sum(n for k, n in direct["wrapper_calls"].items() if k.startswith("all_gather"))
+        if out["direct_all_gather"]:
+            assert gathers == 0, (rank, direct)
+        else:  # torch 2.11: no public all-gather method, the function is called
+            assert gathers > 0, (rank, direct)
