@@ -24,7 +24,7 @@ import torch
 from ..comm import collectives, trace
 from ..comm.streams import CommContext, Pending
 from ..parallel.mesh import MeshInfo, SubgroupInfo
-from . import buffers
+from . import buffers, grad_mode
 from .gather_plan import GatherPlan
 from .layout import FlatLayout
 from .param import ShardedParam
@@ -240,7 +240,7 @@ class ParamGroup:
         # reshard_after_forward=k: the kept block is read by the copy-in stream; it stays alive until the
         # all-gather is waited (compute then follows the copy-in), as the caching allocator needs
         kept = self._partial_shard if partial else None
-        with torch.no_grad():
+        with grad_mode.no_grad():
             out = self._copy_in(partial)
             pending = self._issue_all_gather(out, over)
         event = self._emit(trace.EventKind.ALL_GATHER, phase, nbytes=out.nbytes,
@@ -311,7 +311,7 @@ class ParamGroup:
         if event is not None:
             event.t_end = time.perf_counter()
             event.exposed_s = exposed
-        with torch.no_grad():
+        with grad_mode.no_grad():
             for p in self.params:
                 p.alloc_unsharded()
             if self.gather_plan is not None:
@@ -341,7 +341,7 @@ class ParamGroup:
         keep = partial and self.subgroup is not None
         if keep:
             assert self.subgroup is not None
-            with torch.no_grad():
+            with grad_mode.no_grad():
                 self._partial_shard = buffers.partial_shard_copy_in(self.params, self.flat, self.subgroup)
             ctx = self._comm
             self._partial_shard_event = ctx.record_event(ctx.current_stream())

@@ -83,6 +83,7 @@ class FSDPState:
         self.forward_rows = 0  # rows of the unit's last grad-enabled forward output (ReduceQueue's budget)
         self._in_features = {id(g): sum(p.unsharded_shape[1] for p in g.params if len(p.unsharded_shape) == 2)
                              for g in groups}  # per group: the 2-D weights' input features
+        self._reduce_bytes_of: dict[int, tuple[int, ReduceBytes]] = {}  # per group: (forward rows, its bytes)
         for name in _EAGER_METHODS:
             setattr(self, name, eager(getattr(self, name)))
         for module in modules:
@@ -367,9 +368,15 @@ class FSDPState:
     def _reduce_bytes(self, group: ParamGroup) -> ReduceBytes:
         """``group``'s reduce for the root's ``ReduceQueue``: its input, the shard it leaves, and the
         activations its weights kept for backward (from the forward's output rows; shapes only)."""
+        rows = self.forward_rows
+        cached = self._reduce_bytes_of.get(id(group))
+        if cached is not None and cached[0] == rows:  # (the same shapes every step: built once)
+            return cached[1]
         nbytes = group.flat.total_numel * group.reduce_dtype.itemsize
-        released = activation_bytes(self.forward_rows, self._in_features.get(id(group), 0), group.param_dtype)
-        return ReduceBytes(nbytes, nbytes // group.flat.world, released)
+        released = activation_bytes(rows, self._in_features.get(id(group), 0), group.param_dtype)
+        value = ReduceBytes(nbytes, nbytes // group.flat.world, released)
+        self._reduce_bytes_of[id(group)] = (rows, value)
+        return value
 
     def root_final_callback(self) -> None:
         """End of backward: reduce what no post-backward hook caught, reshard, finish reduces."""
