@@ -181,3 +181,45 @@ def test_direct_process_group_calls_issue_what_the_wrappers_issue() -> None:
             assert gathers == 0, (rank, direct)
         else:  # torch 2.11: no public all-gather method, the function is called
             assert gathers > 0, (rank, direct)
+
+
+@distributed(world_size=2)
+def _no_grad_entries() -> dict[str, int]:
+    model = _model()
+    x = torch.randn(2, 4)
+    entered = Counter[str]()
+    original = torch.no_grad.__enter__
+
+    def counting(self: Any) -> None:
+        entered[phase] += 1
+        original(self)
+
+    torch.no_grad.__enter__ = counting  # type: ignore[method-assign]
+    try:
+        for _ in range(2):  # the second step: lazy init done
+            entered.clear()
+            phase = "forward"
+            loss = model(x).sum()
+            phase = "backward"
+            loss.backward()
+    finally:
+        torch.no_grad.__enter__ = original  # type: ignore[method-assign]
+    return dict(entered)
+
+
+def test_backward_hooks_enter_no_no_grad_context() -> None:
+    """The backward's hooks run with grad mode off: their unshards, copy-outs, reduces and gradient
+    assignments enter no ``torch.no_grad()`` (``core/grad_mode.no_grad``); the forward's still do."""
+    for rank, entered in enumerate(_no_grad_entries()):
+        assert entered.get("backward", 0) == 0, (rank, entered)
+        assert entered.get("forward", 0) > 0, (rank, entered)
+
+
+def test_cpu_stream_context_is_one_shared_object() -> None:
+    """On CPU ``CommContext.on`` returns one null context (no generator object per copy-in and reduce)."""
+    from fully_shard.comm.streams import CommContext
+
+    ctx = CommContext(torch.device("cpu"))
+    assert ctx.on(ctx.stream("all_gather_copy_in")) is ctx.on(None)
+    with ctx.on(None), ctx.on(None):  # nested uses of the shared object
+        pass
