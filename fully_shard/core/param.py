@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Placement
 from ..parallel import local_dtensor
 from ..parallel.mesh import MeshInfo
 from ..parallel.spmd import ParamSpec, local_grad, spec_of
-from . import extension, registry
+from . import extension, grad_mode, registry
 from .layout import DimZeroLayout, contiguous_stride
 
 
@@ -194,7 +194,7 @@ class ShardedParam:
             # e.g. the optimizer step's check, done where it is known
             registry.announce_grad(grad, self.sharded_param.placements, local_dtensor.local_of(grad))
         else:
-            with torch.no_grad():
+            with grad_mode.no_grad():
                 local_dtensor.local_of(existing).add_(local_grad)  # type: ignore[arg-type]
         return asynchronous
 
