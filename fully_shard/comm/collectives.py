@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.overrides import has_torch_function_unary
 
 from ..parallel.mesh import SubgroupInfo
 
@@ -68,7 +69,65 @@ def all_gather(out: torch.Tensor, over: SubgroupInfo, async_op: bool, *, comm: A
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *,
                     async_op: bool = False) -> dist.Work | None:
     """``out`` = every rank's ``inp`` back to back (the one call of torch's tensor all-gather)."""
+    if _DIRECT_ALL_GATHER and _direct(group, out, inp):
+        return _finish(group.all_gather_single(out, inp, _options(_ALLGATHER_OPTIONS, async_op)), async_op)
     return _all_gather_fn()(out, inp, group=group, async_op=async_op)
+
+
+# --- direct process-group calls ---------------------------------------------------------------------
+# The hot path's collectives call the process group's public method, the one ``torch.distributed``'s
+# function calls after its checks (design/data-path.md, "Host work per step"): the same collective, the
+# same backend call, without the wrapper's Python (argument checks, the logging decorator, the
+# coalescing lookup, a new options object per call). Used where those checks have nothing to do: a
+# ``ProcessGroup`` object, real (not complex) plain tensors, no ``__torch_function__`` override
+# (a tensor subclass or a mode redirects the wrapper), not inside a ``_coalescing_manager`` block
+# (the hooks never run in one). torch 2.11 has no public all-gather method (only ``_allgather_base``):
+# there the wrapper is called, as with ``direct_calls(False)``.
+_ALLGATHER_OPTIONS: Any = getattr(dist.distributed_c10d, "AllgatherOptions", None)  # (not re-exported by dist)
+_DIRECT_ALL_GATHER = hasattr(dist.ProcessGroup, "all_gather_single") and _ALLGATHER_OPTIONS is not None
+_use_direct = True  # direct_calls(False): always the torch.distributed functions (tests compare both)
+_OPTIONS: dict[tuple[type, bool, Any], Any] = {}
+
+
+def direct_calls(enabled: bool) -> bool:
+    """Call the process group's methods directly (True, the default) or always go through
+    ``torch.distributed``'s functions; returns the previous setting."""
+    global _use_direct
+    previous, _use_direct = _use_direct, enabled
+    return previous
+
+
+def _direct(group: Any, *tensors: torch.Tensor) -> bool:
+    if not _use_direct or not isinstance(group, dist.ProcessGroup):
+        return False
+    return all(type(t) is torch.Tensor and not t.is_complex() and not has_torch_function_unary(t) for t in tensors)
+
+
+def _options(kind: type, async_op: bool, op: Any = None) -> Any:
+    """One options object per (kind, async_op, op), reused: the backend copies it per call."""
+    key: tuple[type, bool, Any] | None = (kind, async_op, op)
+    try:
+        return _OPTIONS[key]  # type: ignore[index]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable op (e.g. a PREMUL_SUM ReduceOp object): a new object
+        key = None
+    opts = kind()
+    opts.asyncOp = async_op
+    if op is not None:
+        opts.reduceOp = op
+    if key is not None:
+        _OPTIONS[key] = opts
+    return opts
+
+
+def _finish(work: dist.Work | None, async_op: bool) -> dist.Work | None:
+    """What the ``torch.distributed`` function returns: the work when asynchronous, else None once done."""
+    if async_op:
+        return work
+    if work is not None:
+        work.wait()
+    return None
 
 
 def all_gather_object(obj: Any, group: dist.ProcessGroup) -> list[Any]:
@@ -116,6 +175,9 @@ _IS_GLOO: dict[int, tuple[dist.ProcessGroup, bool]] = {}
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None,
                op: dist.ReduceOp | dist.ReduceOp.RedOpType, *, async_op: bool = False) -> dist.Work | None:
+    if _direct(group, tensor):
+        assert group is not None
+        return _finish(group.allreduce([tensor], _options(dist.AllreduceOptions, async_op, op)), async_op)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 

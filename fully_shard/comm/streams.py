@@ -70,6 +70,7 @@ class Pending:
         return True
 
 
+_NO_STREAM = contextlib.nullcontext()  # stateless: one object serves every (nested) use
 _stand_in: Any = None  # a device module standing in for torch.cuda (tests; see ``stand_in``)
 
 
@@ -113,13 +114,11 @@ class CommContext:
     def current_stream(self) -> Any:
         return self._mod.current_stream(self.device) if self.accelerated else None
 
-    @contextlib.contextmanager
-    def on(self, stream: Any) -> Iterator[None]:
+    def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """Run the block on ``stream``; ``None`` (CPU): a shared null context, no generator per call."""
         if stream is None:
-            yield
-            return
-        with self._mod.stream(stream):
-            yield
+            return _NO_STREAM
+        return self._mod.stream(stream)  # type: ignore[no-any-return]
 
     def wait_stream(self, waiter: Any, waitee: Any) -> None:
         if waiter is not None:

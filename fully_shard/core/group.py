@@ -24,7 +24,7 @@ import torch
 from ..comm import collectives, trace
 from ..comm.streams import CommContext, Pending
 from ..parallel.mesh import MeshInfo, SubgroupInfo
-from . import buffers
+from . import buffers, grad_mode
 from .gather_plan import GatherPlan
 from .layout import FlatLayout
 from .param import ShardedParam
@@ -240,7 +240,7 @@ class ParamGroup:
         # reshard_after_forward=k: the kept block is read by the copy-in stream; it stays alive until the
         # all-gather is waited (compute then follows the copy-in), as the caching allocator needs
         kept = self._partial_shard if partial else None
-        with torch.no_grad():
+        with grad_mode.no_grad():
             out = self._copy_in(partial)
             pending = self._issue_all_gather(out, over)
         event = self._emit(trace.EventKind.ALL_GATHER, phase, nbytes=out.nbytes,
@@ -304,14 +304,15 @@ class ParamGroup:
         assert self._pending_unshard is not None
         out, pending, event, kept = self._pending_unshard
         self._pending_unshard = None
-        t0 = time.perf_counter()
+        traced = event is not None or trace.enabled()  # (the clock is read only for an observer)
+        t0 = time.perf_counter() if traced else 0.0
         pending.wait(self._comm)
         del kept  # the compute stream now follows the copy-in that read it: free to reuse
-        exposed = time.perf_counter() - t0
+        exposed = time.perf_counter() - t0 if traced else 0.0
         if event is not None:
             event.t_end = time.perf_counter()
             event.exposed_s = exposed
-        with torch.no_grad():
+        with grad_mode.no_grad():
             for p in self.params:
                 p.alloc_unsharded()
             if self.gather_plan is not None:
@@ -341,7 +342,7 @@ class ParamGroup:
         keep = partial and self.subgroup is not None
         if keep:
             assert self.subgroup is not None
-            with torch.no_grad():
+            with grad_mode.no_grad():
                 self._partial_shard = buffers.partial_shard_copy_in(self.params, self.flat, self.subgroup)
             ctx = self._comm
             self._partial_shard_event = ctx.record_event(ctx.current_stream())

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Placement
 from ..parallel import local_dtensor
 from ..parallel.mesh import MeshInfo
 from ..parallel.spmd import ParamSpec, local_grad, spec_of
-from . import extension, registry
+from . import extension, grad_mode, registry
 from .layout import DimZeroLayout, contiguous_stride
 
 
@@ -177,8 +177,12 @@ class ShardedParam:
         ``local_grad`` is in the communication layout (shard dim first); it is moved back here. Under
         CPU offload the copy is asynchronous only where nothing on the host reads it before that sync
         (as torch): pinned memory, no accumulation into an existing grad, no post-accumulate hooks."""
-        local_grad = self.unmoved(local_grad).to(self.orig_dtype).contiguous()  # Shard(d > 0): as torch
-        existing = self.sharded_param.grad
+        sharded = self.sharded_param
+        if self.shard_dim:  # Shard(d > 0): as torch
+            local_grad = self.unmoved(local_grad).contiguous()
+        if local_grad.dtype != sharded.dtype:
+            local_grad = local_grad.to(sharded.dtype)
+        existing = sharded.grad
         accumulate = isinstance(existing, DTensor)
         asynchronous = False
         if self.offload or local_grad.device != self.storage_device:
@@ -190,7 +194,7 @@ class ShardedParam:
             # e.g. the optimizer step's check, done where it is known
             registry.announce_grad(grad, self.sharded_param.placements, local_dtensor.local_of(grad))
         else:
-            with torch.no_grad():
+            with grad_mode.no_grad():
                 local_dtensor.local_of(existing).add_(local_grad)  # type: ignore[arg-type]
         return asynchronous
 
@@ -203,8 +207,9 @@ class ShardedParam:
         """Call the hooks registered with ``register_post_accumulate_grad_hook`` on the sharded
         parameter: autograd never accumulates into it (it does into the unsharded one), so they run
         here, once its sharded ``.grad`` is assigned."""
-        for hook in self._post_accumulate_hooks():
-            hook(self.sharded_param)
+        if getattr(self.sharded_param, "_post_accumulate_grad_hooks", None):  # (usually None: no list built)
+            for hook in self._post_accumulate_hooks():
+                hook(self.sharded_param)
 
     # --- unsharded form -----------------------------------------------------------------------
     def init_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:

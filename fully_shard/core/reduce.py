@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..comm import collectives, trace
 from ..comm.streams import CommContext, Pending
 from ..parallel.mesh import MeshInfo
-from . import buffers
+from . import buffers, grad_mode
 from .layout import FlatLayout
 from .param import ShardedParam
 
@@ -135,7 +135,7 @@ class Reducer:
         ops = reduce_ops(settings, self.data_parallel_world, reduce_dtype,
                          collective_world=self.mesh_info.shard_world * self.mesh_info.replicate_world)
         alloc = settings.comm.allocate if settings.comm is not None else None
-        with torch.no_grad():
+        with grad_mode.no_grad():
             ctx.release_reduce_scatter_inputs(keep=(settings.max_input_buffers or 1) - 1)
             inp = buffers.reduce_scatter_copy_in(grads, params, flat, reduce_dtype, self.device, alloc=alloc)
             del grads
@@ -257,7 +257,7 @@ class Reducer:
         hooks (optimizer-in-backward), as autograd would for a leaf (design/hooks.md)."""
         output = output.contiguous()  # (it always is: one flat buffer)
         base = output.storage_offset()
-        with torch.no_grad():
+        with grad_mode.no_grad():
             copied = False  # CPU offload: some grads went to the host asynchronously
             for p, offset in zip(params, flat.offsets):
                 # this rank's rows of p: one view (the output is contiguous), shapes cached on p

@@ -83,6 +83,7 @@ class FSDPState:
         self.forward_rows = 0  # rows of the unit's last grad-enabled forward output (ReduceQueue's budget)
         self._in_features = {id(g): sum(p.unsharded_shape[1] for p in g.params if len(p.unsharded_shape) == 2)
                              for g in groups}  # per group: the 2-D weights' input features
+        self._reduce_bytes_of: dict[int, tuple[int, ReduceBytes]] = {}  # per group: (forward rows, its bytes)
         for name in _EAGER_METHODS:
             setattr(self, name, eager(getattr(self, name)))
         for module in modules:
@@ -367,9 +368,15 @@ class FSDPState:
     def _reduce_bytes(self, group: ParamGroup) -> ReduceBytes:
         """``group``'s reduce for the root's ``ReduceQueue``: its input, the shard it leaves, and the
         activations its weights kept for backward (from the forward's output rows; shapes only)."""
+        rows = self.forward_rows
+        cached = self._reduce_bytes_of.get(id(group))
+        if cached is not None and cached[0] == rows:  # (the same shapes every step: built once)
+            return cached[1]
         nbytes = group.flat.total_numel * group.reduce_dtype.itemsize
-        released = activation_bytes(self.forward_rows, self._in_features.get(id(group), 0), group.param_dtype)
-        return ReduceBytes(nbytes, nbytes // group.flat.world, released)
+        released = activation_bytes(rows, self._in_features.get(id(group), 0), group.param_dtype)
+        value = ReduceBytes(nbytes, nbytes // group.flat.world, released)
+        self._reduce_bytes_of[id(group)] = (rows, value)
+        return value
 
     def root_final_callback(self) -> None:
         """End of backward: reduce what no post-backward hook caught, reshard, finish reduces."""
@@ -448,6 +455,8 @@ class _PostBackwardEager(torch.autograd.Function):
 
 
 def _register_post_backward(state: FSDPState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if not kwargs and type(args) is tuple and all(isinstance(a, torch.Tensor) for a in args):
+        return _register_post_backward_tensors(state, args), kwargs  # a forward of tensors only: no tree walk
     flat = [t for t in tensors((args, kwargs)) if t.requires_grad]
     if not flat:
         return args, kwargs
@@ -457,6 +466,17 @@ def _register_post_backward(state: FSDPState, args: tuple, kwargs: dict) -> tupl
     replacement = {id(t): o for t, o in zip(flat, outputs)}
     swap: Callable[[torch.Tensor], torch.Tensor] = lambda t: replacement.get(id(t), t)  # noqa: E731
     return map_tensors(swap, args), map_tensors(swap, kwargs)
+
+
+def _register_post_backward_tensors(state: FSDPState, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``_register_post_backward`` for positional tensor args: the same Function call, the same outputs."""
+    flat = [t for t in args if t.requires_grad]
+    if not flat:
+        return args
+    state._awaits_post_backward = True
+    function = _PostBackward if torch._C._are_functorch_transforms_active() else _PostBackwardEager
+    outputs = iter(function.apply(state, *flat))
+    return tuple([next(outputs) if t.requires_grad else t for t in args])
 
 
 def _member_params(modules: tuple[nn.Module, ...],

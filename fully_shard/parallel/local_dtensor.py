@@ -4,7 +4,7 @@
 and stride checked) on every call; the reduce side makes one gradient DTensor per parameter per step,
 always laid out like its parameter. ``like(local, model)`` builds it from ``model``'s spec directly (the
 construction torch's FSDP2 uses for its gradients). That needs two private names, ``DTensor._spec`` and
-the ``DTensor(local, spec, requires_grad=)`` constructor (design/private-torch.md): both are looked up
+the ``DTensor.__new__(DTensor, local, spec, requires_grad=)`` constructor (design/private-torch.md): both are looked up
 per call, and where either is missing or the built DTensor does not match what ``from_local`` would
 give (checked on the first call of each process), every call falls back to ``from_local``.
 """
@@ -28,7 +28,9 @@ def like(local: torch.Tensor, model: DTensor) -> DTensor:
     spec: Any = getattr(model, "_spec", None)
     if _direct is not False and spec is not None:
         try:
-            out = DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
+            # ``__new__`` alone: torch 2.13's ``DTensor.__init__`` only records the constructor for export
+            # tracing (behind a Dynamo-disable wrapper, a third of the cost); 2.11 has no ``__init__``
+            out = DTensor.__new__(DTensor, local, spec, requires_grad=False)  # type: ignore[call-arg]
         except TypeError:  # the private constructor changed: from_local from now on
             _direct = False
         else:

@@ -107,3 +107,119 @@ def test_gradient_dtensor_is_what_from_local_builds() -> None:
     and on the fallback."""
     for bad in _like_vs_from_local():
         assert bad == []
+
+
+class _OrderedCollectives(TorchDispatchMode):
+    """The c10d ops a block dispatches, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if "c10d" in str(func._overloadpacket):
+            self.ops.append(str(func._overloadpacket).split(".")[-1])
+        return func(*args, **(kwargs or {}))
+
+
+@distributed(world_size=2)
+def _direct_vs_wrapper() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from fully_shard.comm import collectives
+
+    wrapper_calls: Counter[str] = Counter()
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_single", "all_gather_into_tensor")
+                 if hasattr(dist, name)}
+
+    def counting(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            wrapper_calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, counting(name, fn))
+    out: dict[str, Any] = {}
+    try:
+        for direct in (True, False):
+            previous = collectives.direct_calls(direct)
+            try:
+                model = _model()
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                x = torch.randn(2, 4)
+                wrapper_calls.clear()
+                with _OrderedCollectives() as seen:
+                    for _ in range(2):
+                        model(x).sum().backward()
+                        opt.step()
+                        opt.zero_grad()
+                out[str(direct)] = {"ops": seen.ops, "wrapper_calls": dict(wrapper_calls),
+                                    "params": [p.full_tensor().detach() for p in model.parameters()]}
+            finally:
+                collectives.direct_calls(previous)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    out["direct_all_gather"] = hasattr(dist.ProcessGroup, "all_gather_single")
+    return out
+
+
+def test_direct_process_group_calls_issue_what_the_wrappers_issue() -> None:
+    """The hot path calls the process group's method (``allreduce``; ``all_gather_single`` where torch has
+    it) instead of ``torch.distributed``'s function: the same c10d ops in the same order and the same
+    bits as through the functions (``direct_calls(False)``, the fallback), and no function call per step."""
+    for rank, out in enumerate(_direct_vs_wrapper()):
+        direct, wrapped = out["True"], out["False"]
+        assert direct["ops"] == wrapped["ops"] and direct["ops"], (rank, direct["ops"], wrapped["ops"])
+        for a, b in zip(direct["params"], wrapped["params"]):
+            assert torch.equal(a, b), rank
+        assert wrapped["wrapper_calls"].get("all_reduce", 0) > 0, (rank, wrapped)
+        assert direct["wrapper_calls"].get("all_reduce", 0) == 0, (rank, direct)
+        gathers = sum(n for k, n in direct["wrapper_calls"].items() if k.startswith("all_gather"))
+        if out["direct_all_gather"]:
+            assert gathers == 0, (rank, direct)
+        else:  # torch 2.11: no public all-gather method, the function is called
+            assert gathers > 0, (rank, direct)
+
+
+@distributed(world_size=2)
+def _no_grad_entries() -> dict[str, int]:
+    model = _model()
+    x = torch.randn(2, 4)
+    entered = Counter[str]()
+    original = torch.no_grad.__enter__
+
+    def counting(self: Any) -> None:
+        entered[phase] += 1
+        original(self)
+
+    torch.no_grad.__enter__ = counting  # type: ignore[method-assign]
+    try:
+        for _ in range(2):  # the second step: lazy init done
+            entered.clear()
+            phase = "forward"
+            loss = model(x).sum()
+            phase = "backward"
+            loss.backward()
+    finally:
+        torch.no_grad.__enter__ = original  # type: ignore[method-assign]
+    return dict(entered)
+
+
+def test_backward_hooks_enter_no_no_grad_context() -> None:
+    """The backward's hooks run with grad mode off: their unshards, copy-outs, reduces and gradient
+    assignments enter no ``torch.no_grad()`` (``core/grad_mode.no_grad``); the forward's still do."""
+    for rank, entered in enumerate(_no_grad_entries()):
+        assert entered.get("backward", 0) == 0, (rank, entered)
+        assert entered.get("forward", 0) > 0, (rank, entered)
+
+
+def test_cpu_stream_context_is_one_shared_object() -> None:
+    """On CPU ``CommContext.on`` returns one null context (no generator object per copy-in and reduce)."""
+    from fully_shard.comm.streams import CommContext
+
+    ctx = CommContext(torch.device("cpu"))
+    assert ctx.on(ctx.stream("all_gather_copy_in")) is ctx.on(None)
+    with ctx.on(None), ctx.on(None):  # nested uses of the shared object
+        pass
