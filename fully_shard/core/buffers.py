@@ -133,13 +133,20 @@ def _chunk_catable(grads: Sequence[torch.Tensor | None], params: Sequence[Sharde
     return dtype is not None
 
 
+def _needs_padding(grads: Sequence[torch.Tensor | None], world: int) -> bool:
+    """Some grad's rows do not split evenly over ``world`` ranks (its copy-in needs zero padding)."""
+    return any(g is not None and g.dim() > 0 and g.shape[0] % world for g in grads)
+
+
 def reduce_scatter_copy_in(grads: Sequence[torch.Tensor | None], params: Sequence[ShardedParam],
                            flat: FlatLayout, dtype: torch.dtype, device: torch.device, *,
                            alloc: Alloc | None = None) -> torch.Tensor:
     """Pack unsharded grads into a ``(world, shard_numel)`` buffer of ``dtype``; row r goes to rank r.
 
     Where every grad is present, non-empty, of one dtype and sharded along dim 0: one ``torch._chunk_cat``
-    (each grad's rows split per rank, padded and cast in the same kernel, torch's FSDP2 copy-in). Else one
+    (each grad's rows split per rank, padded and cast in the same kernel, torch's FSDP2 copy-in); on CPU
+    only where some grad needs padding (else ``torch.cat`` of views is one copy too, and the CPU kernel
+    measured a higher peak RSS: design/data-path.md). Else one
     ``torch.cat`` along dim 1 of ``(world, size)`` views (it casts to ``dtype`` on the way); only a grad
     whose rows do not fill the padded layout is copied once to pad it. Missing grads are zeros.
     A replicated (0-dim) parameter's grad is written into every rank's row, so the reduce-scatter sums
@@ -147,7 +154,8 @@ def reduce_scatter_copy_in(grads: Sequence[torch.Tensor | None], params: Sequenc
     """
     world = flat.world
     buf = allocate(alloc, world * flat.shard_numel, dtype, device).view(world, flat.shard_numel)
-    if _chunk_cat is not None and _chunk_catable(grads, params):
+    if _chunk_cat is not None and _chunk_catable(grads, params) and (
+            device.type != "cpu" or _needs_padding(grads, world)):
         _chunk_cat(grads, 0, world, out=buf)  # pads each grad's rows per rank and casts: one kernel
         return buf.view(-1)
     pieces = []
