@@ -407,6 +407,16 @@ def _rows(output: Any) -> int:
     return t.numel() // t.shape[-1]
 
 
+def _post_backward_backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+    """Both forms' backward: the unit's post-backward, then the inputs' gradients unchanged."""
+    ctx.state.post_backward()
+    return (None, *grads)
+
+
+def _post_backward_jvp(ctx: Any, _state_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tangents
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's forward inputs; its backward runs once their gradients are computed,
     i.e. after the unit's own backward, and triggers the unit's post-backward.
@@ -424,14 +434,8 @@ class _PostBackward(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.state = inputs[0]
 
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.state.post_backward()
-        return (None, *grads)
-
-    @staticmethod
-    def jvp(ctx: Any, _state_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tangents
+    backward = staticmethod(_post_backward_backward)
+    jvp = staticmethod(_post_backward_jvp)
 
 
 class _PostBackwardEager(torch.autograd.Function):
@@ -444,14 +448,8 @@ class _PostBackwardEager(torch.autograd.Function):
         ctx.state = state
         return inputs
 
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.state.post_backward()
-        return (None, *grads)
-
-    @staticmethod
-    def jvp(ctx: Any, _state_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tangents
+    backward = staticmethod(_post_backward_backward)
+    jvp = staticmethod(_post_backward_jvp)
 
 
 def _register_post_backward(state: FSDPState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

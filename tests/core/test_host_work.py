@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fully_shard import fully_shard
+from tests.distributed.counting import CountOps
 from tests.distributed.harness import distributed
 
 # ops that allocate a padding buffer or build a padded copy
@@ -25,14 +26,6 @@ _VIEWS = {"view", "_reshape_alias", "reshape", "view_as", "narrow", "slice", "al
           "_unsafe_view", "t", "transpose", "detach"}
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _model() -> nn.Module:
@@ -56,7 +49,7 @@ def _count_step_ops() -> dict[str, Any]:
     step()  # the first step allocates what later steps reuse
     for p in model.parameters():
         p.grad = None
-    with _CountOps() as counted:
+    with CountOps() as counted:
         step()
     counts = counted.counts
     return {"padding": {k: v for k, v in counts.items() if k in _PADDING},

@@ -14,6 +14,18 @@ NAMES = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scat
          "allreduce_": "all_reduce", "broadcast_": "broadcast", "allgather_": "all_gather_list"}
 
 
+class CountOps(TorchDispatchMode):
+    """Counts every aten op dispatched inside the mode, by packet name (``counts["_chunk_cat"]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
 class CountCollectives(TorchDispatchMode):
     """``with CountCollectives() as c: ...``: ``c.issued`` counts every c10d collective issued in the
     block, by name, at the dispatcher; ``c.counts`` is the same in torch's terms, to compare with

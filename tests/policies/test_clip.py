@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from fully_shard import fully_shard
 from fully_shard.optim.clip import clip_grad_norm_, total_grad_norm
+from tests.distributed.counting import CountOps
 from tests.distributed.harness import distributed
 from tests.models import TinyGPT, batches, loss_fn
 from tests.policies.common import full, local_slice
@@ -82,20 +83,6 @@ def test_clip_rejects_non_positive_max_norm() -> None:
 def test_clip_runs_one_foreach_kernel_per_device_and_dtype() -> None:
     """Norm and scaling: one _foreach_norm and one _foreach_mul_ per (device, dtype), no per-gradient
     kernels or full-size temporaries (``abs``, ``pow``, ``mul``), and the same values as torch's."""
-    from collections import Counter
-    from typing import Any
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountOps(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.counts: Counter[str] = Counter()
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            self.counts[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
-
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(5)]
     params += [torch.nn.Parameter(torch.randn(6, dtype=torch.float64)) for _ in range(2)]
