@@ -8,6 +8,7 @@ import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -19,9 +20,11 @@ import torch.nn as nn  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP  # noqa: E402
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from examples.train_gpt import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402, F401
 from fully_shard import MixedPrecisionPolicy, fully_shard  # noqa: E402
+from fully_shard.comm import trace  # noqa: E402
 from fully_shard.tools.timing import synchronize, timed_step  # noqa: E402, F401
 
 VARIANTS = ("ours", "torch", "ddp")  # this library, torch's fully_shard, DistributedDataParallel
@@ -118,3 +121,46 @@ def machine() -> str:
     except OSError:
         pass
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+# --- bytes per collective, at the dispatcher (comm.py --hsdp, scaling.py) ---------------------------
+KINDS = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter", "allreduce_": "all_reduce"}
+
+
+class AxisBytes(TorchDispatchMode):
+    """``with AxisBytes() as c: ...``: ``c.records`` holds (kind, process group name, buffer bytes) of every
+    c10d collective issued in the block, seen at the dispatcher: the gathered bytes of an all-gather, the
+    input of a reduce-scatter, the tensor of an all-reduce (the profiler's convention). On gloo the library
+    issues a 1-D reduce-scatter as an in-place all-reduce and says so in its trace (``issued_as``); those are
+    counted as the reduce-scatters they stand for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[list[Any]] = []
+        self._observing: Any = None
+
+    def _on_event(self, event: trace.TraceEvent) -> None:
+        if event.kind is trace.EventKind.REDUCE_SCATTER and event.issued_as == "all_reduce":
+            last = next(r for r in reversed(self.records) if r[0] == "all_reduce")  # issued just before
+            last[0] = "reduce_scatter"
+
+    def __enter__(self) -> AxisBytes:
+        self._observing = trace.observe(self._on_event)
+        self._observing.__enter__()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._observing.__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        packet = str(func._overloadpacket)
+        if "c10d" in packet:
+            name = packet.split(".")[-1]
+            groups = [dist.ProcessGroup.unbox(a).group_name for a in args if isinstance(a, torch.ScriptObject)
+                      and "ProcessGroup" in str(a._type())]
+            tensors = args[0] if name == "allreduce_" else [args[1] if name == "_reduce_scatter_base_" else args[0]]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+            self.records.append([KINDS.get(name, name), groups[0] if groups else "?", nbytes])
+        return func(*args, **(kwargs or {}))

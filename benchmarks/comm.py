@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from _common import (
     GPT,
+    AxisBytes,
     GPTConfig,
     header,
     init,
@@ -57,10 +58,8 @@ from _common import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fully_shard import MixedPrecisionPolicy, QuantizedAllGather, fully_shard, profile
-from fully_shard.comm import trace
 
 MIB = 2**20
 CPU = torch.device("cpu")
@@ -165,48 +164,6 @@ def bandwidth(model: Any, prof: Any, reference: Any, args: argparse.Namespace) -
                      "raw_rs_bw": nbytes / raw_rs,
                      "in_step_rs_bw": statistics.median(in_step_rs) if in_step_rs else 0.0})
     return rows
-
-
-KINDS = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter", "allreduce_": "all_reduce"}
-
-
-class AxisBytes(TorchDispatchMode):
-    """``with AxisBytes() as c: ...``: ``c.records`` holds (kind, process group name, buffer bytes) of every
-    c10d collective issued in the block, seen at the dispatcher: the gathered bytes of an all-gather, the
-    input of a reduce-scatter, the tensor of an all-reduce (the profiler's convention). On gloo the library
-    issues a 1-D reduce-scatter as an in-place all-reduce and says so in its trace (``issued_as``); those are
-    counted as the reduce-scatters they stand for."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[list[Any]] = []
-        self._observing: Any = None
-
-    def _on_event(self, event: trace.TraceEvent) -> None:
-        if event.kind is trace.EventKind.REDUCE_SCATTER and event.issued_as == "all_reduce":
-            last = next(r for r in reversed(self.records) if r[0] == "all_reduce")  # issued just before
-            last[0] = "reduce_scatter"
-
-    def __enter__(self) -> AxisBytes:
-        self._observing = trace.observe(self._on_event)
-        self._observing.__enter__()
-        super().__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        self._observing.__exit__(*exc)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        packet = str(func._overloadpacket)
-        if "c10d" in packet:
-            name = packet.split(".")[-1]
-            groups = [dist.ProcessGroup.unbox(a).group_name for a in args if isinstance(a, torch.ScriptObject)
-                      and "ProcessGroup" in str(a._type())]
-            tensors = args[0] if name == "allreduce_" else [args[1] if name == "_reduce_scatter_base_" else args[0]]
-            nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-            self.records.append([KINDS.get(name, name), groups[0] if groups else "?", nbytes])
-        return func(*args, **(kwargs or {}))
 
 
 def accumulate_step(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: GPTConfig, batch: int, step: int,

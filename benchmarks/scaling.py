@@ -49,7 +49,7 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,7 @@ import torch.distributed as dist
 from _common import (
     GPT,
     ROOT,
+    AxisBytes,
     GPTConfig,
     header,
     machine,
@@ -121,57 +122,15 @@ def parse_args() -> argparse.Namespace:
 
 
 # --- counting collectives ---------------------------------------------------------------------------
-# name in torch.distributed -> (kind, the argument whose bytes count)
-COUNTED = {
-    "all_gather_single": ("all_gather", "output_tensor"),
-    "all_gather_into_tensor": ("all_gather", "output_tensor"),
-    "reduce_scatter_single": ("reduce_scatter", "input"),
-    "reduce_scatter_tensor": ("reduce_scatter", "input"),
-    "all_reduce": ("all_reduce", "tensor"),
-    "broadcast": ("broadcast", "tensor"),
-}
-
-
-def _nbytes(t: Any) -> int:
-    return int(t.numel() * t.element_size()) if isinstance(t, torch.Tensor) else 0
-
-
 @contextlib.contextmanager
 def count_collectives() -> Iterator[dict[str, int]]:
-    """Bytes per kind of every ``torch.distributed`` collective called (through the module) inside;
-    a collective that calls another (an alias) counts once."""
-    import inspect
-
+    """Bytes per kind of every c10d collective issued inside, at the dispatcher (``AxisBytes``: whether a
+    library calls ``torch.distributed``'s functions or the process group's methods)."""
     counts: dict[str, int] = {}
-    depth = [0]
-    saved: dict[str, Callable[..., Any]] = {}
-
-    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        kind, arg = COUNTED[name]
-        sig = inspect.signature(fn)
-
-        @functools.wraps(fn)
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            if depth[0] == 0:
-                counts[kind] = counts.get(kind, 0) + _nbytes(sig.bind(*args, **kwargs).arguments.get(arg))
-            depth[0] += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-
-        return counted
-
-    for name in COUNTED:
-        fn = getattr(dist, name, None)
-        if fn is not None:
-            saved[name] = fn
-            setattr(dist, name, wrap(name, fn))
-    try:
+    with AxisBytes() as counted:
         yield counts
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
+    for kind, _group, nbytes in counted.records:
+        counts[kind] = counts.get(kind, 0) + nbytes
 
 
 def ddp_bytes(base: GPT, cfg: GPTConfig, batch: int, rank: int) -> dict[str, int]:
@@ -184,7 +143,7 @@ def ddp_bytes(base: GPT, cfg: GPTConfig, batch: int, rank: int) -> dict[str, int
     counted: list[int] = []
 
     def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the runtime annotations
-        counted.append(_nbytes(bucket.buffer()))
+        counted.append(bucket.buffer().numel() * bucket.buffer().element_size())
         return default_hooks.allreduce_hook(state, bucket)
 
     model.register_comm_hook(None, hook)
