@@ -458,9 +458,7 @@ def _register_post_backward(state: FSDPState, args: tuple, kwargs: dict) -> tupl
     flat = [t for t in tensors((args, kwargs)) if t.requires_grad]
     if not flat:
         return args, kwargs
-    state._awaits_post_backward = True
-    function = _PostBackward if torch._C._are_functorch_transforms_active() else _PostBackwardEager
-    outputs = function.apply(state, *flat)
+    outputs = _apply_post_backward(state, flat)
     replacement = {id(t): o for t, o in zip(flat, outputs)}
     swap: Callable[[torch.Tensor], torch.Tensor] = lambda t: replacement.get(id(t), t)  # noqa: E731
     return map_tensors(swap, args), map_tensors(swap, kwargs)
@@ -471,10 +469,16 @@ def _register_post_backward_tensors(state: FSDPState, args: tuple[torch.Tensor, 
     flat = [t for t in args if t.requires_grad]
     if not flat:
         return args
+    outputs = iter(_apply_post_backward(state, flat))
+    return tuple([next(outputs) if t.requires_grad else t for t in args])
+
+
+def _apply_post_backward(state: FSDPState, flat: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``flat`` (the grad-requiring inputs) through the post-backward Function: the form torch.func needs
+    under its transforms, else the eager form."""
     state._awaits_post_backward = True
     function = _PostBackward if torch._C._are_functorch_transforms_active() else _PostBackwardEager
-    outputs = iter(function.apply(state, *flat))
-    return tuple([next(outputs) if t.requires_grad else t for t in args])
+    return function.apply(state, *flat)
 
 
 def _member_params(modules: tuple[nn.Module, ...],
