@@ -72,8 +72,15 @@ def _released_before_wait() -> list[dict[str, Any]]:
             while not item.reduce_scatter.done():  # both ranks issued it: gloo's thread completes it
                 assert time.monotonic() < deadline, "the all-reduce did not complete"
                 time.sleep(0.001)
-            gc.collect()
-            record.update(dropped=item.cpu_input is None, freed=inp is None or inp() is None,
+            # the backend's work drops its own reference just after the future completes (gloo's thread,
+            # a moment later): poll for it, still before any wait; never freed fails at the deadline
+            freed = False
+            while not freed and time.monotonic() < deadline:
+                gc.collect()
+                freed = inp is None or inp() is None
+                if not freed:
+                    time.sleep(0.001)
+            record.update(dropped=item.cpu_input is None, freed=freed,
                           output=item.output is not None and item.output.numel() == item.flat.shard_numel)
         seen.append(record)
         push(self, reducer, nbytes)
