@@ -3,9 +3,9 @@
 A tensor object kept by the runtime stays for the process's lifetime: its Python object and
 ``TensorImpl`` (about 0.5 KiB of host heap each, however small its data). The host-work caching had
 kept two per parameter (the flattened shard for the copy-in and the ``(world, size)`` copy-out rows,
-next to the storage's own write tensor) and one zeros tensor per padded parameter: ~0.6 MiB on
-``memory.py --shape small``'s 581 parameters, which made this library's peak RSS there ~1 MiB more than
-torch's ``fully_shard`` (benchmarks/README.md, "Memory by rule"). Counted here as the live tensor
+next to the storage's own write tensor), ~0.6 MiB on ``memory.py --shape small``'s 581 parameters,
+which made this library's peak RSS there ~1 MiB more than torch's ``fully_shard`` (benchmarks/README.md,
+"Memory by rule"), and one zeros tensor per padded parameter (now one per padding size). Counted here as the live tensor
 objects a model, its sharding and an AdamW optimizer leave after two training steps, against torch's
 ``fully_shard`` on the same model (24 parameters, 16 of them padded on rank 1: 269 and 271 tensor
 objects against torch's 272; 317 with the cached views and zeros)."""
