@@ -24,6 +24,10 @@ from .layout import FlatLayout
 from .param import ShardedParam
 from .quantize import BlockLayout
 
+# private (design/private-torch.md): without it the all-gather copy-in flattens each shard with one view
+# per unshard, and the reduce copy-in pads with one copy per padded grad
+_chunk_cat = getattr(torch, "_chunk_cat", None)
+
 __all__ = [
     "all_gather_copy_in", "all_gather_copy_out", "partial_all_gather_copy_in", "partial_shard_copy_in",
     "quantized_all_gather_copy_in", "quantized_all_gather_copy_out", "reduce_scatter_copy_in",
@@ -34,11 +38,28 @@ __all__ = [
 def all_gather_copy_in(params: Sequence[ShardedParam], flat: FlatLayout, rank: int, dtype: torch.dtype,
                        device: torch.device, *, alloc: Alloc | None = None) -> torch.Tensor:
     """Allocate the gathered buffer and write this rank's padded shards (cast to ``dtype``) into
-    its own segment. Returns the whole ``world * shard_numel`` buffer."""
+    its own segment. Returns the whole ``world * shard_numel`` buffer.
+
+    One ``torch._chunk_cat`` with one chunk where every piece is a non-empty ``Shard(0)`` shard (or its
+    padding zeros) of one dtype: it flattens each in C++, so no flattened view per parameter is made
+    per unshard nor kept between them (each kept view is host memory for the process's lifetime).
+    Else one ``torch.cat`` of flattened pieces (``ShardedParam.copy_in_parts``)."""
     out = allocate(alloc, flat.total_numel, dtype, device)
-    parts = [part for p in params for part in p.copy_in_parts(device)]
-    if parts:
-        torch.cat(parts, out=segment(out, rank, flat.world))
+    if not params:
+        return out
+    own = segment(out, rank, flat.world)
+    if _chunk_cat is not None:
+        sources: list[torch.Tensor] = []
+        for p in params:
+            pieces = p.copy_in_sources(device)
+            if pieces is None:
+                break
+            sources += pieces
+        else:
+            if all(t.dtype == sources[0].dtype for t in sources):
+                _chunk_cat(sources, 0, 1, out=own.view(1, -1))
+                return out
+    torch.cat([part for p in params for part in p.copy_in_parts(device)], out=own)
     return out
 
 
@@ -115,8 +136,6 @@ def partial_shard_copy_in(params: Sequence[ShardedParam], flat: FlatLayout,
 
 
 # --- reduce-scatter -------------------------------------------------------------------------------
-# private (design/private-torch.md): without it the copy-in pads with one copy per padded grad
-_chunk_cat = getattr(torch, "_chunk_cat", None)
 
 
 def _chunk_catable(grads: Sequence[torch.Tensor | None], params: Sequence[ShardedParam]) -> bool:

@@ -25,6 +25,18 @@ from ..parallel.spmd import ParamSpec, local_grad, spec_of
 from . import extension, grad_mode, registry
 from .layout import DimZeroLayout, contiguous_stride
 
+# Padding zeros, read only: one tensor per (size, dtype, device), shared by every parameter that pads
+# its shard by that much (a tensor object per parameter would be host memory kept for the process's life)
+_ZEROS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _shared_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (numel, dtype, device)
+    zeros = _ZEROS.get(key)
+    if zeros is None:
+        zeros = _ZEROS[key] = torch.zeros(numel, dtype=dtype, device=device)
+    return zeros
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     short = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64"}
@@ -66,17 +78,17 @@ class ShardedParam:
         self.local_shape = self.layout.local_shape(rank)
         self.local_stride = contiguous_stride(self.local_shape)
         self.padding_numel = self.layout.padding_numel(rank)
-        # copy-in: the flattened shard (a view of the DTensor's local tensor, kept while that tensor and its
-        # storage stay the same) and the zeros that pad it, allocated once
-        self._flat_local: tuple[torch.Tensor, int, torch.Tensor] | None = None
+        # copy-in: the zeros that pad the shard, shared by size (the shard itself is read as it is: no
+        # flattened view is kept per parameter, design/data-path.md "Host work per step")
         self._pad_zeros: torch.Tensor | None = None
         self.unsharded_param: nn.Parameter | None = None
         self._unsharded_padded: torch.Tensor | None = None  # owns the unsharded storage
-        self._unsharded_write: torch.Tensor | None = None  # same storage, own version counter
+        # same storage, own version counter; for a Shard(0) parameter shaped as its gathered rows
+        # ``(world, padded shard)``, where the copy-out writes (one tensor object, not one more view)
+        self._unsharded_write: torch.Tensor | None = None
         # the storage (one Python object, resized in place) and its allocated size, read on every unshard
         self._unsharded_storage: torch.UntypedStorage | None = None
         self._unsharded_nbytes = 0
-        self._gather_rows: tuple[int, int, torch.Tensor] | None = None  # (world, size, rows view)
         self.unsharded_accumulated_grad: torch.Tensor | None = None  # no-sync accumulation
         self.sharded_param: DTensor = self._make_sharded(data)  # an nn.Parameter wrapping a DTensor
         # A tensor subclass with fsdp_pre/post_all_gather builds its own unsharded form (extension.py)
@@ -126,17 +138,10 @@ class ShardedParam:
         return local_dtensor.local_of(self.sharded_param)
 
     def flat_local(self) -> torch.Tensor:
-        """The shard flattened in the communication layout (shard dim first). A view of the local
-        tensor, made again only when the local tensor or its storage changed (``adopt_module_param``,
-        ``.data =``); a ``Shard(d > 0)`` shard is a fresh copy each time (its flat form is no view)."""
-        local = self.sharded_local
-        cached = self._flat_local
-        if cached is not None and cached[0] is local and cached[1] == local.data_ptr():
-            return cached[2]
-        flat = self.moved(local).reshape(-1)
-        if self.shard_dim == 0 and local.is_contiguous():  # reshape(-1) was a view: keep it
-            self._flat_local = (local, local.data_ptr(), flat)
-        return flat
+        """The shard flattened in the communication layout (shard dim first): a view of the local tensor
+        for ``Shard(0)``, a fresh copy for ``Shard(d > 0)`` (its flat form is no view). Made per call:
+        the common copy-in (``copy_in_sources``) reads the local tensor without flattening it."""
+        return self.moved(self.sharded_local).reshape(-1)
 
     def adopt_module_param(self) -> None:
         """Re-read the sharded parameter if the module's slot now holds another DTensor Parameter
@@ -162,11 +167,25 @@ class ShardedParam:
         local = self.flat_local()
         if self.offload or local.device != device:
             local = local.to(device, non_blocking=True, copy=True)
+        return self._padded(local)
+
+    def copy_in_sources(self, device: torch.device) -> list[torch.Tensor] | None:
+        """The pieces of this rank's padded shard as they are (the local tensor in its own shape, then
+        the zero padding), for a copy-in that flattens them itself (``torch._chunk_cat``); None where
+        that does not apply: a replicated or ``Shard(d > 0)`` parameter, an empty shard, a shard to
+        move to ``device`` first (CPU offload)."""
+        local = self.sharded_local
+        if (self.offload or self.shard_dim or self.layout.replicated or not self.local_numel
+                or local.device != device):
+            return None
+        return self._padded(local)
+
+    def _padded(self, local: torch.Tensor) -> list[torch.Tensor]:
         if not self.padding_numel:
             return [local]
         zeros = self._pad_zeros
         if zeros is None or zeros.dtype != local.dtype or zeros.device != local.device:
-            zeros = self._pad_zeros = local.new_zeros(self.padding_numel)  # read only: kept for every unshard
+            zeros = self._pad_zeros = _shared_zeros(self.padding_numel, local.dtype, local.device)
         return [local, zeros]
 
     def set_sharded_grad(self, local_grad: torch.Tensor) -> bool:
@@ -224,10 +243,14 @@ class ShardedParam:
         else:
             view = padded[:self.layout.numel].view(self.layout.shape)
         self._unsharded_padded = padded
-        self._unsharded_write = padded.data
-        self._unsharded_storage = padded.untyped_storage()
-        self._unsharded_nbytes = padded.untyped_storage().nbytes()
-        self._gather_rows = None
+        storage = padded.untyped_storage()
+        # a new tensor on the same storage (not a view: no base kept, its own version counter), in the
+        # shape the copy-out writes
+        rows = (padded.shape if self.staged_gather
+                else (self.layout.world, self.layout.padded_shard_numel))
+        self._unsharded_write = padded.new_empty(0).set_(storage, 0, rows, contiguous_stride(tuple(rows)))
+        self._unsharded_storage = storage
+        self._unsharded_nbytes = storage.nbytes()
         self.unsharded_param = nn.Parameter(self._as_unsharded(view), requires_grad=self.requires_grad)
         self.free_unsharded()
 
@@ -269,15 +292,17 @@ class ShardedParam:
 
     def gather_rows(self, world: int, size: int) -> torch.Tensor:
         """The unsharded storage as ``(world, size)`` rows, where the copy-out writes a ``Shard(0)``
-        parameter's gathered rows: one view, kept (the storage is resized in place, the view stays valid)."""
-        cached = self._gather_rows
-        if cached is None or cached[0] != world or cached[1] != size:
-            cached = self._gather_rows = (world, size, self.unsharded_write.view(world, size))
-        return cached[2]
+        parameter's gathered rows: ``unsharded_write`` itself (the storage is resized in place, the
+        tensor stays valid), a view only for another split."""
+        write = self.unsharded_write
+        if write.dim() == 2 and write.shape[0] == world and write.shape[1] == size:
+            return write
+        return write.view(world, size)
 
     @property
     def unsharded_write(self) -> torch.Tensor:
-        """Padded flat view of the unsharded storage whose writes do not bump autograd versions."""
+        """The padded unsharded storage, written without bumping autograd versions: ``(world, padded
+        shard)`` rows for a ``Shard(0)`` parameter, flat for a staged one (``staged_gather``)."""
         assert self._unsharded_write is not None, f"{self.fqn}: unsharded form used before init"
         return self._unsharded_write
 
