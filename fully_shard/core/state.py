@@ -348,8 +348,8 @@ class FSDPState:
         self.training_state = TrainingState.POST_BACKWARD
         groups = [g for g in self.groups if g.state is GroupState.UNSHARDED and (only is None or g is only)]
         self._reduce(groups)
-        for group in groups:
-            if group.reshard_after_backward:
+        for group in groups:  # (a reduce that took grads has resharded already: reshard_first)
+            if group.reshard_after_backward and group.state is not GroupState.SHARDED:
                 group.reshard(Phase.BACKWARD)
 
     def _reduce(self, groups: list[ParamGroup]) -> None:
