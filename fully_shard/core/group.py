@@ -167,7 +167,7 @@ class ParamGroup:
     def _grad_layout(self) -> tuple[list[ShardedParam], FlatLayout]:
         """The parameters reduced now and their flat layout (the reduce-scatter buffers), rebuilt only
         when that set changed."""
-        key = tuple(self._reduced(p) for p in self.params)
+        key = tuple(map(self._reduced, self.params))
         if self._grad_flat is None or self._grad_flat[0] != key:
             params = [p for p, reduced in zip(self.params, key) if reduced]
             self._grad_flat = (key, params, FlatLayout(tuple(p.layout for p in params)))

@@ -24,7 +24,7 @@ from ..parallel.mesh import MeshInfo
 from . import buffers, grad_mode
 from .layout import FlatLayout
 from .param import ShardedParam
-from .reduce_plan import ReducePlan, cat_rows
+from .reduce_plan import GradView, ReducePlan, cat_rows, grad_views
 
 SUM: dist.ReduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
 _NO_OVERFLOW_RISK = (torch.float32, torch.bfloat16)  # torch's set: every other dtype splits the division
@@ -97,7 +97,7 @@ class PendingReduce:
     in_place: bool  # gloo: cpu_input was all-reduced in place; this rank's row of it is the output
     params: list[ShardedParam]  # whose grads the output holds, at ``flat``'s offsets
     flat: FlatLayout
-    direct: tuple[bool, ...]  # per parameter: its grad may take ShardedParam.set_new_grad (ReducePlan)
+    views: tuple[GradView, ...]  # per parameter: its rows of the output (ReducePlan.views)
     ops: ReduceOps
     comm: CommContext  # the context it was issued in (waited in the same)
 
@@ -134,10 +134,10 @@ class Reducer:
         in_place = (not ctx.accelerated and settings.comm is None and mesh.replicate_group is None
                     and flat.world * flat.shard_numel != flat.shard_numel
                     and collectives.reduce_scatter_is_all_reduce(group))
-        direct = tuple(not p.shard_dim and not p.offload and p.storage_device == self.device for p in params)
         return ReducePlan(flat, reduce_dtype, ctx, settings.version, ops, group, in_place, alloc,
                           (settings.max_input_buffers or 1) - 1, cat_rows(params, flat, self.device, alloc),
-                          self.device, direct)
+                          self.device, grad_views(params, flat, self.device),
+                          collectives.all_reduce_async(group, ops.reduce_scatter, reduce_dtype) if in_place else None)
 
     def reduce(self, params: list[ShardedParam], flat: FlatLayout, reduce_dtype: torch.dtype, comm: CommContext,
                *, before_alloc: Callable[[], None] | None = None) -> bool:
@@ -178,7 +178,9 @@ class Reducer:
         out: torch.Tensor | None = None
         if in_place:  # gloo: all-reduce our own input in place instead of a copy of it (see below)
             timing = trace.CollectiveTiming() if trace.enabled() else None  # (CPU: ctx.issue's branch)
-            pending = ctx.issued(collectives.all_reduce(inp, group, ops.reduce_scatter, async_op=True), timing)
+            issue = plan.in_place_all_reduce
+            assert issue is not None  # (built with in_place)
+            pending = ctx.issued(issue(inp), timing)
         else:
             rs_stream = ctx.stream("reduce_scatter")
             ctx.wait_stream(rs_stream, ctx.current_stream())
@@ -200,7 +202,7 @@ class Reducer:
         # CPU: the input stays alive until waited where the backend's work handle is all we hold (a
         # future-less backend) and where it is all-reduced in place; a future lets it go when done.
         cpu_input = inp if in_place or pending.work is not None else None
-        item = PendingReduce(output, pending, all_reduce, cpu_input, in_place, params, flat, plan.direct, ops, ctx)
+        item = PendingReduce(output, pending, all_reduce, cpu_input, in_place, params, flat, plan.views, ops, ctx)
         if in_place and pending.future is not None:
             pending.future = pending.future.then(partial(self._take_row, item))
         self.pending.append(item)
@@ -232,7 +234,7 @@ class Reducer:
                     self._run_all_reduce_hook(item.output, item.comm)
                 if item.ops.post_divide is not None and item.ops.post_divide != 1:
                     item.output.div_(item.ops.post_divide)
-                self._assign_grads(item.output, item.params, item.flat, item.comm, item.direct)
+                self._assign_grads(item.output, item.views, item.comm)
         self.pending.clear()
         trace.emit_if_observed(trace.EventKind.REDUCE_DONE, self.fqn, trace.Phase.BACKWARD)
 
@@ -284,18 +286,17 @@ class Reducer:
                                group_size=self.mesh_info.replicate_world, timing=pending.timing)
         return output, pending
 
-    def _assign_grads(self, output: torch.Tensor, params: list[ShardedParam], flat: FlatLayout,
-                      ctx: CommContext, direct: tuple[bool, ...]) -> None:
+    def _assign_grads(self, output: torch.Tensor, views: tuple[GradView, ...], ctx: CommContext) -> None:
         """Assign each parameter's rows as its sharded ``.grad``, then run its post-accumulate-grad
         hooks (optimizer-in-backward), as autograd would for a leaf (design/hooks.md)."""
         output = output.contiguous()  # (it always is: one flat buffer)
         base = output.storage_offset()
         copied = False  # CPU offload: some grads went to the host asynchronously
-        for p, offset, plain in zip(params, flat.offsets, direct):
+        for p, shape, stride, offset, direct in views:
             # this rank's rows of p: one view (the output is contiguous; it requires no grad, and
-            # set_sharded_grad accumulates under no_grad), shapes cached on p
-            local = output.as_strided(p.local_shape, p.local_stride, base + offset)
-            if not (plain and p.set_new_grad(local)):  # (a first grad, nothing to convert or run)
+            # set_sharded_grad accumulates under no_grad)
+            local = output.as_strided(shape, stride, base + offset)
+            if not (direct and p.set_new_grad(local)):  # (a first grad, nothing to convert or run)
                 with grad_mode.no_grad():
                     copied |= p.set_sharded_grad(local)
                     p.run_post_accumulate_grad_hooks()
@@ -354,6 +355,8 @@ class ReduceQueue:
         return self.max_in_flight if k is None else k
 
     def make_room(self, reducer: Reducer | None = None) -> None:
+        if not self._reducers:
+            return
         limit = self._limit(reducer)
         while self._reducers and len(self._reducers) >= limit:
             self._reducers.popleft().finish()
@@ -363,8 +366,9 @@ class ReduceQueue:
         CPU) and finish the oldest beyond the limit."""
         if reducer not in self._reducers:
             self._reducers.append(reducer)
-        limit = self._limit(reducer)
-        if self.budgeted and reducer.settings.max_input_buffers is None:
+        k = reducer.settings.max_input_buffers  # (_limit)
+        limit = self.max_in_flight if k is None else k
+        if self.budgeted and k is None:
             if nbytes is not None:
                 self.released += nbytes.released - nbytes.kept
             if nbytes is None or self.released < nbytes.input:

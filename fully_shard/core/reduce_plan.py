@@ -22,6 +22,11 @@ from .layout import FlatLayout
 from .param import ShardedParam
 
 
+# a parameter, the shape, stride and offset of its rows in the reduced shard, and whether its gradient may
+# take ``ShardedParam.set_new_grad`` (Shard(0), no CPU offload, kept on the reduce's device)
+GradView = tuple[ShardedParam, tuple[int, ...], tuple[int, ...], int, bool]
+
+
 @dataclass(frozen=True, slots=True)
 class ReducePlan:
     """The fixed decisions of one group's reduce (see the module docstring); ``ops`` is a ``ReduceOps``."""
@@ -37,7 +42,8 @@ class ReducePlan:
     keep_inputs: int  # reduce-scatter inputs left held before a new one is allocated (accelerators)
     rows: tuple[tuple[int, int], ...] | None  # per parameter its (world, size) rows; None: buffers' copy-in
     device: torch.device
-    direct: tuple[bool, ...]  # per parameter: Shard(0), no offload, kept on ``device`` (ShardedParam.set_new_grad)
+    views: tuple[GradView, ...]  # per parameter: its rows of the reduced shard (``grad_views``)
+    in_place_all_reduce: Callable[[torch.Tensor], Any] | None  # in_place: the input's async all-reduce
 
     def matches(self, flat: FlatLayout, dtype: torch.dtype, comm: CommContext, version: int) -> bool:
         return self.flat is flat and self.dtype is dtype and self.comm is comm and self.version == version
@@ -76,3 +82,11 @@ def cat_rows(params: Sequence[ShardedParam], flat: FlatLayout, device: torch.dev
             return None
         rows.append((world, size))
     return tuple(rows)
+
+
+def grad_views(params: Sequence[ShardedParam], flat: FlatLayout, device: torch.device) -> tuple[GradView, ...]:
+    """Each parameter's rows of the reduced shard (``GradView``): the shapes cached on the parameter, its
+    padded shard's offset, and whether its gradient is a plain view of them."""
+    return tuple((p, tuple(p.local_shape), tuple(p.local_stride), offset,
+                  not p.shard_dim and not p.offload and p.storage_device == device)
+                 for p, offset in zip(params, flat.offsets))
