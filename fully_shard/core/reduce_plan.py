@@ -21,7 +21,6 @@ from ..comm.streams import CommContext
 from .layout import FlatLayout
 from .param import ShardedParam
 
-
 # a parameter, the shape, stride and offset of its rows in the reduced shard, and whether its gradient may
 # take ``ShardedParam.set_new_grad`` (Shard(0), no CPU offload, kept on the reduce's device)
 GradView = tuple[ShardedParam, tuple[int, ...], tuple[int, ...], int, bool]
