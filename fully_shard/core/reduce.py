@@ -158,7 +158,10 @@ class Reducer:
             with torch.no_grad():
                 return self.reduce(params, flat, reduce_dtype, comm, before_alloc=before_alloc)
         grads = [p.take_unsharded_grad() for p in params]
-        if all(g is None for g in grads):
+        for g in grads:
+            if g is not None:
+                break
+        else:  # no grad at all
             return False
         if before_alloc is not None:
             before_alloc()
@@ -176,8 +179,9 @@ class Reducer:
         if ops.pre_divide is not None:
             inp.div_(ops.pre_divide)
         out: torch.Tensor | None = None
+        observed = trace.enabled()
         if in_place:  # gloo: all-reduce our own input in place instead of a copy of it (see below)
-            timing = trace.CollectiveTiming() if trace.enabled() else None  # (CPU: ctx.issue's branch)
+            timing = trace.CollectiveTiming() if observed else None  # (CPU: ctx.issue's branch)
             issue = plan.in_place_all_reduce
             assert issue is not None  # (built with in_place)
             pending = ctx.issued(issue(inp), timing)
@@ -190,7 +194,7 @@ class Reducer:
                 out, inp, group, ops.reduce_scatter, a, comm=settings.comm))
         if ctx.accelerated:  # keep the input until its collective is done (see streams.py)
             ctx.hold_reduce_scatter_input(inp, pending.event)
-        if trace.enabled():  # (the event's fields are not built for nobody)
+        if observed:  # (the event's fields are not built for nobody)
             trace.emit_if_observed(trace.EventKind.REDUCE_SCATTER, self.fqn, trace.Phase.BACKWARD,
                                    nbytes=inp.nbytes, group_size=self.mesh_info.shard_world,
                                    timing=pending.timing, issued_as="all_reduce" if in_place else "")
