@@ -3,10 +3,11 @@
 A ``Reducer`` builds its plan at its first reduce and again whenever what it was built from changed: the
 parameters reduced (their ``FlatLayout``), the reduce dtype, the ``CommContext``, or any of the group's
 reduce ``set_*`` settings (``ReduceSettings.version``). It fixes the collectives' ops and scaling, the
-process group, whether gloo's in-place all-reduce replaces the reduce-scatter, the buffer allocator,
-how many reduce inputs stay held, and the copy-in: on CPU, where every parameter is split along dim 0
-without padding, one ``torch.cat`` of ``(world, size)`` views of the gradients into a ``(world,
-shard_numel)`` buffer, with no per-call check of the layout.
+process group, whether gloo's in-place all-reduce replaces the reduce-scatter (and that all-reduce's
+call), the buffer allocator, how many reduce inputs stay held, each parameter's rows of the reduced
+shard, and the copy-in: on CPU, where every parameter is split along dim 0 without padding, one
+``torch.cat`` of ``(world, size)`` views of the gradients into a ``(world, shard_numel)`` buffer, with no
+per-call check of the layout.
 """
 
 from __future__ import annotations
