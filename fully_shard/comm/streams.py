@@ -217,7 +217,10 @@ class CommContext:
         observed)."""
         if work is None:
             return Pending(timing=timing)
-        future = _future_of(work)
+        try:
+            future: torch.futures.Future[Any] | None = work.get_future()
+        except RuntimeError:  # a backend without futures: keep the work handle
+            future = None
         if timing is not None:
             _time_completion(future, timing)
         return Pending(work=work if future is None else None, future=future, timing=timing)
@@ -241,13 +244,6 @@ class CommContext:
             fn(False)
             timing.end = self.timing_event(stream)
             return Pending(event=timing.end, timing=timing)
-
-
-def _future_of(work: dist.Work) -> torch.futures.Future[Any] | None:
-    try:
-        return work.get_future()
-    except RuntimeError:  # a backend without futures: keep the work handle
-        return None
 
 
 def _time_completion(future: torch.futures.Future[Any] | None, timing: trace.CollectiveTiming) -> None:
