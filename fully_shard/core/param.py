@@ -172,7 +172,7 @@ class ShardedParam:
     def set_new_grad(self, local_grad: torch.Tensor) -> bool:
         """``set_sharded_grad`` plus ``run_post_accumulate_grad_hooks`` where both have nothing but the
         assignment to do: assign it and return True; else False, with nothing done. The caller has
-        checked what does not change between steps (``ReducePlan.direct``: ``Shard(0)``, no offload,
+        checked what does not change between steps (``reduce_plan.grad_views``: ``Shard(0)``, no offload,
         ``local_grad`` on the storage device); here: no grad yet, the parameter's dtype, no hooks."""
         sharded = self.sharded_param
         if (sharded.grad is not None or local_grad.dtype != sharded.dtype
