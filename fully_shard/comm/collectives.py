@@ -175,10 +175,29 @@ _IS_GLOO: dict[int, tuple[dist.ProcessGroup, bool]] = {}
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None,
                op: dist.ReduceOp | dist.ReduceOp.RedOpType, *, async_op: bool = False) -> dist.Work | None:
-    if _direct(group, tensor):
+    if (_use_direct and isinstance(group, dist.ProcessGroup) and type(tensor) is torch.Tensor  # _direct, one tensor
+            and not tensor.is_complex() and not has_torch_function_unary(tensor)):
         assert group is not None
         return _finish(group.allreduce([tensor], _options(dist.AllreduceOptions, async_op, op)), async_op)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def all_reduce_async(group: dist.ProcessGroup, op: dist.ReduceOp,
+                     dtype: torch.dtype) -> Callable[[torch.Tensor], dist.Work | None]:
+    """``lambda t: all_reduce(t, group, op, async_op=True)`` for plain tensors of ``dtype`` (a reduce
+    plan's collective), with what does not change between calls decided once: the group's type, the
+    dtype, the options object. Per call: ``direct_calls``, the tensor's type, a torch function mode."""
+    if not isinstance(group, dist.ProcessGroup) or dtype.is_complex:
+        return lambda tensor: all_reduce(tensor, group, op, async_op=True)
+    opts = _options(dist.AllreduceOptions, True, op)
+    allreduce = group.allreduce
+
+    def call(tensor: torch.Tensor) -> dist.Work | None:
+        if _use_direct and type(tensor) is torch.Tensor and not has_torch_function_unary(tensor):
+            return allreduce([tensor], opts)  # type: ignore[no-any-return]
+        return all_reduce(tensor, group, op, async_op=True)
+
+    return call
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:

@@ -210,6 +210,21 @@ class CommContext:
         self.post_optim_event = None
         self.copy_in_ordered = False
 
+    @staticmethod
+    def issued(work: dist.Work | None, timing: trace.CollectiveTiming | None) -> Pending:
+        """CPU: what to wait on for ``work``, a collective just issued with ``async_op=True`` (``issue``'s
+        CPU branch, for a caller that issued it itself; ``timing`` made before it was issued, while
+        observed)."""
+        if work is None:
+            return Pending(timing=timing)
+        try:
+            future: torch.futures.Future[Any] | None = work.get_future()
+        except RuntimeError:  # a backend without futures: keep the work handle
+            future = None
+        if timing is not None:
+            _time_completion(future, timing)
+        return Pending(work=work if future is None else None, future=future, timing=timing)
+
     def issue(self, stream_name: str, fn: Callable[[bool], dist.Work | None]) -> Pending:
         """Issue ``fn(async_op)`` on the named stream; return what to wait on before using its output.
 
@@ -219,13 +234,7 @@ class CommContext:
         """
         timing = trace.CollectiveTiming() if trace.enabled() else None
         if not self.accelerated:
-            work = fn(True)
-            if work is None:
-                return Pending(timing=timing)
-            future = _future_of(work)
-            if timing is not None:
-                _time_completion(future, timing)
-            return Pending(work=work if future is None else None, future=future, timing=timing)
+            return self.issued(fn(True), timing)
         stream = self.stream(stream_name)
         with self.on(stream):
             if timing is None:
@@ -235,13 +244,6 @@ class CommContext:
             fn(False)
             timing.end = self.timing_event(stream)
             return Pending(event=timing.end, timing=timing)
-
-
-def _future_of(work: dist.Work) -> torch.futures.Future[Any] | None:
-    try:
-        return work.get_future()
-    except RuntimeError:  # a backend without futures: keep the work handle
-        return None
 
 
 def _time_completion(future: torch.futures.Future[Any] | None, timing: trace.CollectiveTiming) -> None:

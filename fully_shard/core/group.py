@@ -167,7 +167,7 @@ class ParamGroup:
     def _grad_layout(self) -> tuple[list[ShardedParam], FlatLayout]:
         """The parameters reduced now and their flat layout (the reduce-scatter buffers), rebuilt only
         when that set changed."""
-        key = tuple(self._reduced(p) for p in self.params)
+        key = tuple(map(self._reduced, self.params))
         if self._grad_flat is None or self._grad_flat[0] != key:
             params = [p for p, reduced in zip(self.params, key) if reduced]
             self._grad_flat = (key, params, FlatLayout(tuple(p.layout for p in params)))
@@ -349,10 +349,11 @@ class ParamGroup:
         for p in self.params:
             p.free_unsharded()
             p.register_sharded()
-        new = GroupState.PARTIALLY_SHARDED if keep else GroupState.SHARDED
-        self._transition({GroupState.UNSHARDED}, new, "reshard")
-        kept = self._partial_shard if keep else None
-        self._emit(trace.EventKind.RESHARD, phase, nbytes=kept.nbytes if kept is not None else 0)
+        # (UNSHARDED -> new: checked on entry, as _transition would)
+        self.state = GroupState.PARTIALLY_SHARDED if keep else GroupState.SHARDED
+        if trace.enabled():
+            kept = self._partial_shard if keep else None
+            self._emit(trace.EventKind.RESHARD, phase, nbytes=kept.nbytes if kept is not None else 0)
 
     def reset(self) -> None:
         """``reset_iter_state``: finish the all-gather in flight, drop the failed step's reduces and
@@ -370,8 +371,13 @@ class ParamGroup:
         """Post-backward: hand the unsharded grads to the reducer; True when a reduce was issued.
         ``reshard_first``: free the unsharded params once their grads are taken (see ``Reducer.reduce``)."""
         params, flat = self._grad_layout()
-        before_alloc = (lambda: self.reshard(trace.Phase.BACKWARD)) if reshard_first else None
-        return self.reducer.reduce(params, flat, self.reduce_dtype, self._comm, before_alloc=before_alloc)
+        mp = self.mp_policy  # (reduce_dtype, comm: the properties' values, without their calls)
+        dtype = mp.reduce_dtype or mp.param_dtype or self.params[0].sharded_param.dtype
+        return self.reducer.reduce(params, flat, dtype, self.comm or self._comm,
+                                   before_alloc=self._reshard_in_backward if reshard_first else None)
+
+    def _reshard_in_backward(self) -> None:
+        self.reshard(trace.Phase.BACKWARD)
 
     def has_unsharded_grads(self) -> bool:
         return any(p.unsharded_param is not None and p.unsharded_param.grad is not None

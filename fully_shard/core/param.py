@@ -188,6 +188,20 @@ class ShardedParam:
             zeros = self._pad_zeros = _shared_zeros(self.padding_numel, local.dtype, local.device)
         return [local, zeros]
 
+    def set_new_grad(self, local_grad: torch.Tensor) -> bool:
+        """``set_sharded_grad`` plus ``run_post_accumulate_grad_hooks`` where both have nothing but the
+        assignment to do: assign it and return True; else False, with nothing done. The caller has
+        checked what does not change between steps (``reduce_plan.grad_views``: ``Shard(0)``, no offload,
+        ``local_grad`` on the storage device); here: no grad yet, the parameter's dtype, no hooks."""
+        sharded = self.sharded_param
+        if (sharded.grad is not None or local_grad.dtype != sharded.dtype
+                or getattr(sharded, "_post_accumulate_grad_hooks", None)):
+            return False
+        grad = local_dtensor.like(local_grad, sharded)  # the parameter's mesh and placements
+        sharded.grad = grad
+        registry.announce_grad(grad, sharded.placements, local_dtensor.local_of(grad))
+        return True
+
     def set_sharded_grad(self, local_grad: torch.Tensor) -> bool:
         """Assign (or accumulate into) ``.grad`` of the sharded parameter as a DTensor. True when the
         grad was copied to the host asynchronously: the caller records an event after it and the end of
@@ -339,10 +353,12 @@ class ShardedParam:
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """Pop the gradient autograd accumulated on the unsharded parameter (plus no-sync sums); a TP
         DTensor gradient comes back as its local tensor in the parameter's TP placements."""
-        grad = self.unsharded_param.grad if self.unsharded_param is not None else None
-        if self.unsharded_param is not None:
-            self.unsharded_param.grad = None
-        if grad is not None:
+        unsharded = self.unsharded_param
+        grad = None
+        if unsharded is not None:
+            grad = unsharded.grad
+            unsharded.grad = None
+        if grad is not None and type(grad) is not torch.Tensor:  # (a plain grad is its own local tensor)
             grad = local_grad(grad, self.spec)
         acc = self.unsharded_accumulated_grad
         self.unsharded_accumulated_grad = None

@@ -8,9 +8,10 @@ assigns the sharded ``.grad``. ``ReduceQueue`` bounds the reduces of one root th
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -23,9 +24,11 @@ from ..parallel.mesh import MeshInfo
 from . import buffers, grad_mode
 from .layout import FlatLayout
 from .param import ShardedParam
+from .reduce_plan import GradView, ReducePlan, cat_rows, grad_views
 
 SUM: dist.ReduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
 _NO_OVERFLOW_RISK = (torch.float32, torch.bfloat16)  # torch's set: every other dtype splits the division
+_setting_changes = itertools.count(1)  # ReduceSettings.version: unique over every settings object
 
 
 @dataclass
@@ -40,6 +43,12 @@ class ReduceSettings:
     max_input_buffers: int | None = None  # set_reduce_scatter_max_input_buffers; None: ReduceQueue's
     group: dist.ProcessGroup | None = None  # set_separate_reduce_scatter_group; None: the shard group
     comm: Any = None  # set_custom_reduce_scatter / process-group allocation: allocate() + __call__()
+    # a new number on every assignment to a field: a ReducePlan built from older settings is rebuilt
+    version: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        object.__setattr__(self, "version", next(_setting_changes))
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,7 @@ class PendingReduce:
     in_place: bool  # gloo: cpu_input was all-reduced in place; this rank's row of it is the output
     params: list[ShardedParam]  # whose grads the output holds, at ``flat``'s offsets
     flat: FlatLayout
+    views: tuple[GradView, ...]  # per parameter: its rows of the output (ReducePlan.views)
     ops: ReduceOps
     comm: CommContext  # the context it was issued in (waited in the same)
 
@@ -110,6 +120,24 @@ class Reducer:
         self.requires_all_reduce = True  # set_requires_all_reduce (HSDP)
         self.pending: list[PendingReduce] = []
         self.partial_output: torch.Tensor | None = None  # HSDP without all-reduce: the sum so far
+        self._plan: ReducePlan | None = None  # built by the first reduce, rebuilt when its inputs change
+
+    def _new_plan(self, params: list[ShardedParam], flat: FlatLayout, reduce_dtype: torch.dtype,
+                  ctx: CommContext) -> ReducePlan:
+        """The decisions of a reduce of ``params`` that do not change between calls (reduce_plan.py)."""
+        settings, mesh = self.settings, self.mesh_info
+        ops = reduce_ops(settings, self.data_parallel_world, reduce_dtype,
+                         collective_world=mesh.shard_world * mesh.replicate_world)
+        alloc = settings.comm.allocate if settings.comm is not None else None
+        group = settings.group or mesh.shard_group
+        # (the reduce input is world * shard_numel elements: one rank's segment only over one rank)
+        in_place = (not ctx.accelerated and settings.comm is None and mesh.replicate_group is None
+                    and flat.world * flat.shard_numel != flat.shard_numel
+                    and collectives.reduce_scatter_is_all_reduce(group))
+        return ReducePlan(flat, reduce_dtype, ctx, settings.version, ops, group, in_place, alloc,
+                          (settings.max_input_buffers or 1) - 1, cat_rows(params, flat, self.device, alloc),
+                          self.device, grad_views(params, flat, self.device),
+                          collectives.all_reduce_async(group, ops.reduce_scatter, reduce_dtype) if in_place else None)
 
     def reduce(self, params: list[ShardedParam], flat: FlatLayout, reduce_dtype: torch.dtype, comm: CommContext,
                *, before_alloc: Callable[[], None] | None = None) -> bool:
@@ -126,40 +154,50 @@ class Reducer:
             for p in params:
                 p.stash_unsharded_grad(reduce_dtype)
             return False
+        if torch.is_grad_enabled():  # (backward under create_graph: the copy-in builds no graph)
+            with torch.no_grad():
+                return self.reduce(params, flat, reduce_dtype, comm, before_alloc=before_alloc)
         grads = [p.take_unsharded_grad() for p in params]
-        if all(g is None for g in grads):
+        for g in grads:
+            if g is not None:
+                break
+        else:  # no grad at all
             return False
         if before_alloc is not None:
             before_alloc()
         ctx, settings = comm, self.settings
-        ops = reduce_ops(settings, self.data_parallel_world, reduce_dtype,
-                         collective_world=self.mesh_info.shard_world * self.mesh_info.replicate_world)
-        alloc = settings.comm.allocate if settings.comm is not None else None
-        with grad_mode.no_grad():
-            ctx.release_reduce_scatter_inputs(keep=(settings.max_input_buffers or 1) - 1)
-            inp = buffers.reduce_scatter_copy_in(grads, params, flat, reduce_dtype, self.device, alloc=alloc)
-            del grads
-            if ops.pre_divide is not None:
-                inp.div_(ops.pre_divide)
-            group = settings.group or self.mesh_info.shard_group
-            in_place = (not ctx.accelerated and settings.comm is None and self.mesh_info.replicate_group is None
-                        and inp.numel() != flat.shard_numel and collectives.reduce_scatter_is_all_reduce(group))
-            out: torch.Tensor | None = None
-            if in_place:  # gloo: all-reduce our own input in place instead of a copy of it (see below)
-                pending = ctx.issue("reduce_scatter", lambda a: collectives.all_reduce(
-                    inp, group, ops.reduce_scatter, async_op=a))
-            else:
-                rs_stream = ctx.stream("reduce_scatter")
-                ctx.wait_stream(rs_stream, ctx.current_stream())
-                with ctx.on(rs_stream):
-                    out = collectives.allocate(alloc, flat.shard_numel, reduce_dtype, self.device)
-                pending = ctx.issue("reduce_scatter", lambda a: collectives.reduce_scatter(
-                    out, inp, group, ops.reduce_scatter, a, comm=settings.comm))
+        plan = self._plan
+        if plan is None or not plan.matches(flat, reduce_dtype, ctx, settings.version):
+            plan = self._plan = self._new_plan(params, flat, reduce_dtype, ctx)
+        ops, group, in_place = plan.ops, plan.group, plan.in_place
+        if ctx.reduce_scatter_states:  # (accelerators)
+            ctx.release_reduce_scatter_inputs(keep=plan.keep_inputs)
+        inp = plan.copy_in(grads)
+        if inp is None:
+            inp = buffers.reduce_scatter_copy_in(grads, params, flat, reduce_dtype, self.device, alloc=plan.alloc)
+        del grads
+        if ops.pre_divide is not None:
+            inp.div_(ops.pre_divide)
+        out: torch.Tensor | None = None
+        observed = trace.enabled()
+        if in_place:  # gloo: all-reduce our own input in place instead of a copy of it (see below)
+            timing = trace.CollectiveTiming() if observed else None  # (CPU: ctx.issue's branch)
+            issue = plan.in_place_all_reduce
+            assert issue is not None  # (built with in_place)
+            pending = ctx.issued(issue(inp), timing)
+        else:
+            rs_stream = ctx.stream("reduce_scatter")
+            ctx.wait_stream(rs_stream, ctx.current_stream())
+            with ctx.on(rs_stream):
+                out = collectives.allocate(plan.alloc, flat.shard_numel, reduce_dtype, self.device)
+            pending = ctx.issue("reduce_scatter", lambda a: collectives.reduce_scatter(
+                out, inp, group, ops.reduce_scatter, a, comm=settings.comm))
         if ctx.accelerated:  # keep the input until its collective is done (see streams.py)
             ctx.hold_reduce_scatter_input(inp, pending.event)
-        trace.emit_if_observed(trace.EventKind.REDUCE_SCATTER, self.fqn, trace.Phase.BACKWARD, nbytes=inp.nbytes,
-                               group_size=self.mesh_info.shard_world, timing=pending.timing,
-                               issued_as="all_reduce" if in_place else "")
+        if observed:  # (the event's fields are not built for nobody)
+            trace.emit_if_observed(trace.EventKind.REDUCE_SCATTER, self.fqn, trace.Phase.BACKWARD,
+                                   nbytes=inp.nbytes, group_size=self.mesh_info.shard_world,
+                                   timing=pending.timing, issued_as="all_reduce" if in_place else "")
         output: torch.Tensor | None = out
         all_reduce = None
         if self.mesh_info.replicate_group is not None:
@@ -168,7 +206,7 @@ class Reducer:
         # CPU: the input stays alive until waited where the backend's work handle is all we hold (a
         # future-less backend) and where it is all-reduced in place; a future lets it go when done.
         cpu_input = inp if in_place or pending.work is not None else None
-        item = PendingReduce(output, pending, all_reduce, cpu_input, in_place, params, flat, ops, ctx)
+        item = PendingReduce(output, pending, all_reduce, cpu_input, in_place, params, flat, plan.views, ops, ctx)
         if in_place and pending.future is not None:
             pending.future = pending.future.then(partial(self._take_row, item))
         self.pending.append(item)
@@ -196,10 +234,11 @@ class Reducer:
             if item.in_place and item.cpu_input is not None:  # no future: the row is taken here
                 self._take_row(item)
             if item.output is not None:
-                self._run_all_reduce_hook(item.output, item.comm)
+                if self.settings.all_reduce_hook is not None:
+                    self._run_all_reduce_hook(item.output, item.comm)
                 if item.ops.post_divide is not None and item.ops.post_divide != 1:
                     item.output.div_(item.ops.post_divide)
-                self._assign_grads(item.output, item.params, item.flat, item.comm)
+                self._assign_grads(item.output, item.views, item.comm)
         self.pending.clear()
         trace.emit_if_observed(trace.EventKind.REDUCE_DONE, self.fqn, trace.Phase.BACKWARD)
 
@@ -251,19 +290,20 @@ class Reducer:
                                group_size=self.mesh_info.replicate_world, timing=pending.timing)
         return output, pending
 
-    def _assign_grads(self, output: torch.Tensor, params: list[ShardedParam], flat: FlatLayout,
-                      ctx: CommContext) -> None:
+    def _assign_grads(self, output: torch.Tensor, views: tuple[GradView, ...], ctx: CommContext) -> None:
         """Assign each parameter's rows as its sharded ``.grad``, then run its post-accumulate-grad
         hooks (optimizer-in-backward), as autograd would for a leaf (design/hooks.md)."""
         output = output.contiguous()  # (it always is: one flat buffer)
         base = output.storage_offset()
-        with grad_mode.no_grad():
-            copied = False  # CPU offload: some grads went to the host asynchronously
-            for p, offset in zip(params, flat.offsets):
-                # this rank's rows of p: one view (the output is contiguous), shapes cached on p
-                local = output.as_strided(p.local_shape, p.local_stride, base + offset)
-                copied |= p.set_sharded_grad(local)
-                p.run_post_accumulate_grad_hooks()
+        copied = False  # CPU offload: some grads went to the host asynchronously
+        for p, shape, stride, offset, direct in views:
+            # this rank's rows of p: one view (the output is contiguous; it requires no grad, and
+            # set_sharded_grad accumulates under no_grad)
+            local = output.as_strided(shape, stride, base + offset)
+            if not (direct and p.set_new_grad(local)):  # (a first grad, nothing to convert or run)
+                with grad_mode.no_grad():
+                    copied |= p.set_sharded_grad(local)
+                    p.run_post_accumulate_grad_hooks()
         if copied:
             ctx.hold_grad_offload_event()
 
@@ -319,6 +359,8 @@ class ReduceQueue:
         return self.max_in_flight if k is None else k
 
     def make_room(self, reducer: Reducer | None = None) -> None:
+        if not self._reducers:
+            return
         limit = self._limit(reducer)
         while self._reducers and len(self._reducers) >= limit:
             self._reducers.popleft().finish()
@@ -328,8 +370,9 @@ class ReduceQueue:
         CPU) and finish the oldest beyond the limit."""
         if reducer not in self._reducers:
             self._reducers.append(reducer)
-        limit = self._limit(reducer)
-        if self.budgeted and reducer.settings.max_input_buffers is None:
+        k = reducer.settings.max_input_buffers  # (_limit)
+        limit = self.max_in_flight if k is None else k
+        if self.budgeted and k is None:
             if nbytes is not None:
                 self.released += nbytes.released - nbytes.kept
             if nbytes is None or self.released < nbytes.input:

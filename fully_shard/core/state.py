@@ -348,8 +348,8 @@ class FSDPState:
         self.training_state = TrainingState.POST_BACKWARD
         groups = [g for g in self.groups if g.state is GroupState.UNSHARDED and (only is None or g is only)]
         self._reduce(groups)
-        for group in groups:
-            if group.reshard_after_backward:
+        for group in groups:  # (a reduce that took grads has resharded already: reshard_first)
+            if group.reshard_after_backward and group.state is not GroupState.SHARDED:
                 group.reshard(Phase.BACKWARD)
 
     def _reduce(self, groups: list[ParamGroup]) -> None:
@@ -358,12 +358,14 @@ class FSDPState:
         before any of them is waited, so their collectives overlap."""
         if not groups:
             return
-        reduces = self._root.reduces
+        reduces = (self.root or self._root).reduces  # (_root raises without one)
         if groups[0].reducer.requires_gradient_sync:
             reduces.make_room(groups[0].reducer)  # before this unit's reduce buffers are allocated
         issued = [g for g in groups if g.reduce_grads(reshard_first=g.reshard_after_backward)]
         for group in issued:
-            reduces.push(group.reducer, self._reduce_bytes(group))
+            cached = self._reduce_bytes_of.get(id(group))  # (_reduce_bytes' cache, without its call)
+            nbytes = cached[1] if cached is not None and cached[0] == self.forward_rows else self._reduce_bytes(group)
+            reduces.push(group.reducer, nbytes)
 
     def _reduce_bytes(self, group: ParamGroup) -> ReduceBytes:
         """``group``'s reduce for the root's ``ReduceQueue``: its input, the shard it leaves, and the
