@@ -100,7 +100,10 @@ def direct_calls(enabled: bool) -> bool:
 def _direct(group: Any, *tensors: torch.Tensor) -> bool:
     if not _use_direct or not isinstance(group, dist.ProcessGroup):
         return False
-    return all(type(t) is torch.Tensor and not t.is_complex() and not has_torch_function_unary(t) for t in tensors)
+    for t in tensors:  # noqa: SIM110 (a loop, not all() over a generator: once per collective)
+        if type(t) is not torch.Tensor or t.is_complex() or has_torch_function_unary(t):
+            return False
+    return True
 
 
 def _options(kind: type, async_op: bool, op: Any = None) -> Any:

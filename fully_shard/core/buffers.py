@@ -50,15 +50,16 @@ def all_gather_copy_in(params: Sequence[ShardedParam], flat: FlatLayout, rank: i
     own = segment(out, rank, flat.world)
     if _chunk_cat is not None:
         sources: list[torch.Tensor] = []
+        source_dtype = None
         for p in params:
             pieces = p.copy_in_sources(device)
-            if pieces is None:
-                break
+            if pieces is None or (source_dtype is not None and pieces[0].dtype is not source_dtype):
+                break  # (a shard's padding zeros share its dtype)
+            source_dtype = pieces[0].dtype
             sources += pieces
         else:
-            if all(t.dtype == sources[0].dtype for t in sources):
-                _chunk_cat(sources, 0, 1, out=own.view(1, -1))
-                return out
+            _chunk_cat(sources, 0, 1, out=own.view(1, -1))
+            return out
     torch.cat([part for p in params for part in p.copy_in_parts(device)], out=own)
     return out
 

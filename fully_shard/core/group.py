@@ -190,8 +190,8 @@ class ParamGroup:
                              f"fully_shard time. Fix: pass reshard_after_forward={k} to fully_shard.")
 
     # --- state machine ---------------------------------------------------------------------------
-    def _transition(self, expected: set[GroupState], new: GroupState, action: str) -> None:
-        if self.state not in expected:
+    def _transition(self, expected: tuple[GroupState, ...], new: GroupState, action: str) -> None:
+        if self.state not in expected:  # (a tuple: members compare by identity, no enum hashing)
             names = " or ".join(sorted(s.name for s in expected))
             raise RuntimeError(f"fully_shard unit {self.fqn or '<root>'}: cannot {action}: expected state "
                                f"{names}, found {self.state.name}")
@@ -235,7 +235,7 @@ class ParamGroup:
         if self._skips_backward_unshard(phase):
             return
         partial = self.state is GroupState.PARTIALLY_SHARDED
-        self._transition({GroupState.SHARDED, GroupState.PARTIALLY_SHARDED}, GroupState.UNSHARDING, "unshard")
+        self._transition((GroupState.SHARDED, GroupState.PARTIALLY_SHARDED), GroupState.UNSHARDING, "unshard")
         over = self._gather_over(partial)
         # reshard_after_forward=k: the kept block is read by the copy-in stream; it stays alive until the
         # all-gather is waited (compute then follows the copy-in), as the caching allocator needs
@@ -324,7 +324,7 @@ class ParamGroup:
         self._comm.hold_all_gather_buffer(out)
         for p in self.params:
             p.register_unsharded()
-        self._transition({GroupState.UNSHARDING}, GroupState.UNSHARDED, "finish unshard")
+        self._transition((GroupState.UNSHARDING,), GroupState.UNSHARDED, "finish unshard")
         if trace.enabled():  # (the byte count is not computed for nobody)
             self._emit(trace.EventKind.UNSHARD, phase, nbytes=self.unsharded_nbytes, exposed_s=exposed)
 

@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fully_shard import fully_shard
+from fully_shard.core import grad_mode
 from tests.distributed.counting import CountOps
 from tests.distributed.harness import distributed
 
@@ -184,13 +185,17 @@ def _no_grad_entries() -> dict[str, int]:
     model = _model()
     x = torch.randn(2, 4)
     entered = Counter[str]()
-    original = torch.no_grad.__enter__
+    contexts = (torch.no_grad, grad_mode.GradOff)
+    originals = [c.__enter__ for c in contexts]
 
-    def counting(self: Any) -> None:
-        entered[phase] += 1
-        original(self)
+    def counting(kind: str, original: Any) -> Any:
+        def enter(self: Any) -> None:
+            entered[f"{phase} {kind}"] += 1
+            original(self)
+        return enter
 
-    torch.no_grad.__enter__ = counting  # type: ignore[method-assign]
+    for c, original in zip(contexts, originals):
+        c.__enter__ = counting(c.__name__, original)  # type: ignore[method-assign]
     try:
         for _ in range(2):  # the second step: lazy init done
             entered.clear()
@@ -199,16 +204,19 @@ def _no_grad_entries() -> dict[str, int]:
             phase = "backward"
             loss.backward()
     finally:
-        torch.no_grad.__enter__ = original  # type: ignore[method-assign]
+        for c, original in zip(contexts, originals):
+            c.__enter__ = original  # type: ignore[method-assign]
     return dict(entered)
 
 
 def test_backward_hooks_enter_no_no_grad_context() -> None:
     """The backward's hooks run with grad mode off: their unshards, copy-outs, reduces and gradient
-    assignments enter no ``torch.no_grad()`` (``core/grad_mode.no_grad``); the forward's still do."""
+    assignments enter no grad-off context (``core/grad_mode.no_grad``); the forward's unshards turn it
+    off with the C switch itself (``GradOff``), not through ``torch.no_grad()``'s Python objects."""
     for rank, entered in enumerate(_no_grad_entries()):
-        assert entered.get("backward", 0) == 0, (rank, entered)
-        assert entered.get("forward", 0) > 0, (rank, entered)
+        assert entered.get("backward no_grad", 0) == entered.get("backward GradOff", 0) == 0, (rank, entered)
+        assert entered.get("forward no_grad", 0) == 0, (rank, entered)
+        assert entered.get("forward GradOff", 0) > 0, (rank, entered)
 
 
 def test_cpu_stream_context_is_one_shared_object() -> None:
