@@ -20,11 +20,10 @@ import torch.nn as nn  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP  # noqa: E402
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from examples.train_gpt import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402, F401
 from fully_shard import MixedPrecisionPolicy, fully_shard  # noqa: E402
-from fully_shard.comm import trace  # noqa: E402
+from fully_shard.tools.collectives import KINDS, CollectiveWatch  # noqa: E402
 from fully_shard.tools.timing import synchronize, timed_step  # noqa: E402, F401
 
 VARIANTS = ("ours", "torch", "ddp")  # this library, torch's fully_shard, DistributedDataParallel
@@ -124,10 +123,7 @@ def machine() -> str:
 
 
 # --- bytes per collective, at the dispatcher (comm.py --hsdp, scaling.py) ---------------------------
-KINDS = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter", "allreduce_": "all_reduce"}
-
-
-class AxisBytes(TorchDispatchMode):
+class AxisBytes(CollectiveWatch):
     """``with AxisBytes() as c: ...``: ``c.records`` holds (kind, process group name, buffer bytes) of every
     c10d collective issued in the block, seen at the dispatcher: the gathered bytes of an all-gather, the
     input of a reduce-scatter, the tensor of an all-reduce (the profiler's convention). On gloo the library
@@ -137,30 +133,14 @@ class AxisBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.records: list[list[Any]] = []
-        self._observing: Any = None
 
-    def _on_event(self, event: trace.TraceEvent) -> None:
-        if event.kind is trace.EventKind.REDUCE_SCATTER and event.issued_as == "all_reduce":
-            last = next(r for r in reversed(self.records) if r[0] == "all_reduce")  # issued just before
-            last[0] = "reduce_scatter"
+    def on_in_place_reduce_scatter(self) -> None:
+        last = next(r for r in reversed(self.records) if r[0] == "all_reduce")  # issued just before
+        last[0] = "reduce_scatter"
 
-    def __enter__(self) -> AxisBytes:
-        self._observing = trace.observe(self._on_event)
-        self._observing.__enter__()
-        super().__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        self._observing.__exit__(*exc)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        packet = str(func._overloadpacket)
-        if "c10d" in packet:
-            name = packet.split(".")[-1]
-            groups = [dist.ProcessGroup.unbox(a).group_name for a in args if isinstance(a, torch.ScriptObject)
-                      and "ProcessGroup" in str(a._type())]
-            tensors = args[0] if name == "allreduce_" else [args[1] if name == "_reduce_scatter_base_" else args[0]]
-            nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-            self.records.append([KINDS.get(name, name), groups[0] if groups else "?", nbytes])
-        return func(*args, **(kwargs or {}))
+    def on_collective(self, op: str, args: tuple) -> None:
+        groups = [dist.ProcessGroup.unbox(a).group_name for a in args if isinstance(a, torch.ScriptObject)
+                  and "ProcessGroup" in str(a._type())]
+        tensors = args[0] if op == "allreduce_" else [args[1] if op == "_reduce_scatter_base_" else args[0]]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        self.records.append([KINDS.get(op, op), groups[0] if groups else "?", nbytes])

@@ -7,11 +7,7 @@ from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fully_shard.comm import trace
-from fully_shard.comm.trace import EventKind, TraceEvent
-
-NAMES = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
-         "allreduce_": "all_reduce", "broadcast_": "broadcast", "allgather_": "all_gather_list"}
+from fully_shard.tools.collectives import KINDS, CollectiveWatch
 
 
 class CountOps(TorchDispatchMode):
@@ -26,7 +22,7 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class CountCollectives(TorchDispatchMode):
+class CountCollectives(CollectiveWatch):
     """``with CountCollectives() as c: ...``: ``c.issued`` counts every c10d collective issued in the
     block, by name, at the dispatcher; ``c.counts`` is the same in torch's terms, to compare with
     torch's ``fully_shard`` one for one.
@@ -41,7 +37,6 @@ class CountCollectives(TorchDispatchMode):
         super().__init__()
         self.issued: Counter[str] = Counter()
         self.in_place_reduce_scatters = 0
-        self._observing: Any = None
 
     @property
     def counts(self) -> Counter[str]:
@@ -51,22 +46,8 @@ class CountCollectives(TorchDispatchMode):
             out["reduce_scatter"] += self.in_place_reduce_scatters
         return +out  # drops zero entries
 
-    def _on_event(self, event: TraceEvent) -> None:
-        if event.kind is EventKind.REDUCE_SCATTER and event.issued_as == "all_reduce":
-            self.in_place_reduce_scatters += 1
+    def on_collective(self, op: str, args: tuple) -> None:
+        self.issued[KINDS.get(op, op)] += 1
 
-    def __enter__(self) -> CountCollectives:
-        self._observing = trace.observe(self._on_event)
-        self._observing.__enter__()
-        super().__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        self._observing.__exit__(*exc)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        packet = func._overloadpacket
-        if packet.__module__.endswith("c10d") or "c10d" in str(packet):
-            self.issued[NAMES.get(str(packet).split(".")[-1], str(packet).split(".")[-1])] += 1
-        return func(*args, **(kwargs or {}))
+    def on_in_place_reduce_scatter(self) -> None:
+        self.in_place_reduce_scatters += 1
