@@ -178,8 +178,7 @@ _IS_GLOO: dict[int, tuple[dist.ProcessGroup, bool]] = {}
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None,
                op: dist.ReduceOp | dist.ReduceOp.RedOpType, *, async_op: bool = False) -> dist.Work | None:
-    if (_use_direct and isinstance(group, dist.ProcessGroup) and type(tensor) is torch.Tensor  # _direct, one tensor
-            and not tensor.is_complex() and not has_torch_function_unary(tensor)):
+    if _direct(group, tensor):
         assert group is not None
         return _finish(group.allreduce([tensor], _options(dist.AllreduceOptions, async_op, op)), async_op)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)

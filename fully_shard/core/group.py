@@ -371,9 +371,7 @@ class ParamGroup:
         """Post-backward: hand the unsharded grads to the reducer; True when a reduce was issued.
         ``reshard_first``: free the unsharded params once their grads are taken (see ``Reducer.reduce``)."""
         params, flat = self._grad_layout()
-        mp = self.mp_policy  # (reduce_dtype, comm: the properties' values, without their calls)
-        dtype = mp.reduce_dtype or mp.param_dtype or self.params[0].sharded_param.dtype
-        return self.reducer.reduce(params, flat, dtype, self.comm or self._comm,
+        return self.reducer.reduce(params, flat, self.reduce_dtype, self._comm,
                                    before_alloc=self._reshard_in_backward if reshard_first else None)
 
     def _reshard_in_backward(self) -> None:

@@ -95,9 +95,8 @@ class PendingReduce:
     all_reduce: Pending | None  # HSDP: issued right after the reduce-scatter, waited with it
     cpu_input: torch.Tensor | None  # CPU: kept alive until the async work is waited
     in_place: bool  # gloo: cpu_input was all-reduced in place; this rank's row of it is the output
-    params: list[ShardedParam]  # whose grads the output holds, at ``flat``'s offsets
     flat: FlatLayout
-    views: tuple[GradView, ...]  # per parameter: its rows of the output (ReducePlan.views)
+    views: tuple[GradView, ...]  # per parameter whose grad the output holds: its rows (ReducePlan.views)
     ops: ReduceOps
     comm: CommContext  # the context it was issued in (waited in the same)
 
@@ -206,7 +205,7 @@ class Reducer:
         # CPU: the input stays alive until waited where the backend's work handle is all we hold (a
         # future-less backend) and where it is all-reduced in place; a future lets it go when done.
         cpu_input = inp if in_place or pending.work is not None else None
-        item = PendingReduce(output, pending, all_reduce, cpu_input, in_place, params, flat, plan.views, ops, ctx)
+        item = PendingReduce(output, pending, all_reduce, cpu_input, in_place, flat, plan.views, ops, ctx)
         if in_place and pending.future is not None:
             pending.future = pending.future.then(partial(self._take_row, item))
         self.pending.append(item)
@@ -370,9 +369,8 @@ class ReduceQueue:
         CPU) and finish the oldest beyond the limit."""
         if reducer not in self._reducers:
             self._reducers.append(reducer)
-        k = reducer.settings.max_input_buffers  # (_limit)
-        limit = self.max_in_flight if k is None else k
-        if self.budgeted and k is None:
+        limit = self._limit(reducer)
+        if self.budgeted and reducer.settings.max_input_buffers is None:
             if nbytes is not None:
                 self.released += nbytes.released - nbytes.kept
             if nbytes is None or self.released < nbytes.input:

@@ -363,9 +363,7 @@ class FSDPState:
             reduces.make_room(groups[0].reducer)  # before this unit's reduce buffers are allocated
         issued = [g for g in groups if g.reduce_grads(reshard_first=g.reshard_after_backward)]
         for group in issued:
-            cached = self._reduce_bytes_of.get(id(group))  # (_reduce_bytes' cache, without its call)
-            nbytes = cached[1] if cached is not None and cached[0] == self.forward_rows else self._reduce_bytes(group)
-            reduces.push(group.reducer, nbytes)
+            reduces.push(group.reducer, self._reduce_bytes(group))
 
     def _reduce_bytes(self, group: ParamGroup) -> ReduceBytes:
         """``group``'s reduce for the root's ``ReduceQueue``: its input, the shard it leaves, and the

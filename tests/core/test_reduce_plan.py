@@ -159,7 +159,7 @@ def _python_calls_of_a_post_backward() -> list[int]:
 
 def test_post_backward_python_calls() -> None:
     """One unit's post-backward (reduce-scatter issue, the reduce finished at once on CPU, grads assigned,
-    reshard) on the planned path: Python function calls (torch's Dynamo-disable wrapper included). 49
+    reshard) on the planned path: Python function calls (torch's Dynamo-disable wrapper included). 55
     on this model, 101 before the plan (reduce_ops, the copy-in's layout checks, the grads' checks, the
     no_grad contexts, the collective's checks, per call)."""
     for rank, counts in enumerate(_python_calls_of_a_post_backward()):
