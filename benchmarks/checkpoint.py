@@ -4,19 +4,27 @@
     torchrun --nproc_per_node 2 benchmarks/checkpoint.py --rounds 5 --dir /fast/disk/tmp
 
 A ~52M-parameter GPT (vocab 32000, d=512, 6 blocks) sharded with fully_shard, plus its AdamW state
-(one step taken), is saved and loaded by this library (xxh3 digests on, as by default) and by DCP's
-FileSystemWriter/FileSystemReader (its defaults: one file per rank, fsync on). Each round runs both, in
-alternating order, into fresh directories; before every load the checkpoint's files are evicted from
-the page cache (posix_fadvise DONTNEED after fsync), so loads read the disk. The same run measures the
-disk's raw speed: every rank writes (and fsyncs) then reads back as many bytes as it checkpoints.
-Each round also times two floors of a load (``ReadFloor``): the rank's own files of our checkpoint read
-cold with O_DIRECT, 8 MiB blocks, 4 in flight, nothing parsed or checked, (a) *in place*, into memory
-that already exists, no digest: the bound of a loader that reads into the live tensors like DCP, and
-(b) *staged*, into fresh memory, hashed as it arrives: the bound of a verified load that changes
-nothing until every digest has passed (ours). Reports every round (its order, the load average
-at its start, load ours/DCP, the floor), medians over rounds,
-time ratios ours/DCP (< 1 = faster), GB/s of checkpoint bytes, the share of our save spent hashing,
-and our load with and without digest verification.
+(one step taken), is saved by this library (xxh3 digests on, as by default) and by DCP's
+FileSystemWriter (its defaults: one file per rank, fsync on), in alternating order, into fresh
+directories each round. Then each round times, taking turns (the order rotates from round to round),
+every way of loading it back into the same model and optimizer, with the page cache evicted
+(posix_fadvise DONTNEED after fsync) before each, so every load reads the disk:
+
+* DCP: ``dcp.load`` with ``FileSystemReader`` into the model's and optimizer's state dicts;
+* staged: ``checkpoint.load`` (``LoadMode.STAGED``, the default: every digest checked before anything
+  is written), its buffer pool warm from the round's earlier loads, as for repeated loads in one process;
+* staged, empty pool: the same after ``direct.POOL.clear()``, as the first load of a process;
+* in place: ``checkpoint.load(..., mode=LoadMode.IN_PLACE)``, digests checked as the bytes arrive;
+* two floors (``ReadFloor``): the rank's own files read cold with O_DIRECT, 8 MiB blocks, 4 in flight,
+  nothing parsed or checked, (a) *in place*, into memory that already exists, no digest: the bound of
+  a loader that reads into the live tensors like DCP, and (b) *staged*, into fresh memory, hashed as
+  it arrives: the bound of a verified load that changes nothing until every digest has passed and
+  holds the new bytes in memory it maps afresh.
+
+The same run measures the disk's raw speed (every rank writes, fsyncs, then reads back as many bytes
+as it checkpoints). Prints every round (the load average at its start, each load's time, in place /
+DCP, staged / staged floor, save ours / DCP, the order), the worst round of each ratio, medians, GB/s
+of checkpoint bytes, and the share of our save spent hashing.
 """
 
 from __future__ import annotations
@@ -147,6 +155,11 @@ class ReadFloor:
             view.release()
 
 
+LOADS = ("dcp", "staged", "in_place", "floor", "staged_floor", "staged_cold")
+LABELS = {"dcp": "DCP", "staged": "staged", "in_place": "in place", "floor": "in-place floor",
+          "staged_floor": "staged floor", "staged_cold": "staged, empty pool"}
+
+
 def main() -> None:
     args = parse_args()
     launch_if_needed(__file__, args.nproc)
@@ -154,6 +167,7 @@ def main() -> None:
     import torch.distributed.checkpoint as dcp
 
     from fully_shard import checkpoint
+    from fully_shard.checkpoint import direct
 
     rank = dist.get_rank()
     cfg = GPTConfig(vocab=args.vocab, dim=args.dim, blocks=args.blocks, heads=8, seq=64)
@@ -195,8 +209,8 @@ def main() -> None:
         return {"model": model.state_dict(), "optim": checkpoint.get_optimizer_state_dict(model, opt)}
 
     results: dict[str, list[float]] = {k: [] for k in (
-        "ours_save", "ours_load", "ours_load_noverify", "dcp_save", "dcp_load", "raw_write", "raw_read", "hash",
-        "floor", "staged", "loadavg")}
+        "ours_save", "dcp_save", "raw_write", "raw_read", "hash", "loadavg", *LOADS)}
+    orders: list[list[str]] = []
     floor = ReadFloor(local)
     sizes: dict[str, int] = {}
     for rnd in range(args.rounds):
@@ -204,78 +218,78 @@ def main() -> None:
         w, r = raw_disk(root, local)
         results["raw_write"].append(w)
         results["raw_read"].append(r)
-        order = ["ours", "dcp"] if rnd % 2 == 0 else ["dcp", "ours"]
-        for name in order:
-            path = root / f"{name}-{rnd}"
+        ours, theirs = root / f"ours-{rnd}", root / f"dcp-{rnd}"
+        for name in (["ours", "dcp"] if rnd % 2 == 0 else ["dcp", "ours"]):
             if name == "ours":
                 hashing[0] = 0.0
-                results["ours_save"].append(timed_step(partial(checkpoint.save, path, model, opt), device))
+                results["ours_save"].append(timed_step(partial(checkpoint.save, ours, model, opt), device))
                 h = torch.tensor([hashing[0]], dtype=torch.float64)
                 dist.all_reduce(h, op=dist.ReduceOp.MAX)
                 results["hash"].append(float(h.item()))
-                mine = sorted(path.glob(f"*-rank{rank:05d}.safetensors"))
-                if rank == 0:
-                    evict(path)
-                dist.barrier()
-                results["floor"].append(timed_step(partial(floor.in_place, mine), device))
-                if rank == 0:
-                    evict(path)
-                dist.barrier()
-                results["staged"].append(timed_step(partial(floor.staged, mine), device))
-                if rank == 0:
-                    evict(path)
-                results["ours_load"].append(timed_step(partial(checkpoint.load, path, model, opt), device))
-                if rank == 0:
-                    evict(path)
-                results["ours_load_noverify"].append(
-                    timed_step(partial(checkpoint.load, path, model, opt, verify=False), device))
             else:
-                writer = dcp.FileSystemWriter(str(path))
+                writer = dcp.FileSystemWriter(str(theirs))
                 results["dcp_save"].append(timed_step(partial(dcp.save, dcp_state(), storage_writer=writer), device))
-                if rank == 0:
-                    evict(path)
-                state = dcp_state()
-                reader = dcp.FileSystemReader(str(path))
-                results["dcp_load"].append(timed_step(partial(dcp.load, state, storage_reader=reader), device))
-            dist.barrier()
-            sizes[name] = dir_bytes(path)
-            dist.barrier()
+        mine = sorted(ours.glob(f"*-rank{rank:05d}.safetensors"))
+
+        def load_dcp(path: Path) -> None:
+            dcp.load(dcp_state(), storage_reader=dcp.FileSystemReader(str(path)))
+
+        def load_cold(path: Path) -> None:
+            direct.POOL.clear()  # as in a fresh process: the staged load's memory faulted in afresh
+            checkpoint.load(path, model, opt)
+
+        runs = {"dcp": partial(load_dcp, theirs), "staged": partial(checkpoint.load, ours, model, opt),
+                "in_place": partial(checkpoint.load, ours, model, opt, mode=checkpoint.LoadMode.IN_PLACE),
+                "floor": partial(floor.in_place, mine), "staged_floor": partial(floor.staged, mine),
+                "staged_cold": partial(load_cold, ours)}
+        order = list(LOADS[rnd % len(LOADS):] + LOADS[:rnd % len(LOADS)])
+        orders.append(order)
+        for name in order:
             if rank == 0:
-                shutil.rmtree(path)
+                evict(ours)
+                evict(theirs)
+            dist.barrier()
+            results[name].append(timed_step(runs[name], device))
+        dist.barrier()
+        sizes["ours"], sizes["dcp"] = dir_bytes(ours), dir_bytes(theirs)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(ours)
+            shutil.rmtree(theirs)
     med = {k: median(v) for k, v in results.items()}
     total_state = local * dist.get_world_size()
     if rank == 0:
         gb = 1e9
-        print(f"{'round':>5}{'first':>6}{'loadavg':>9}{'ours load':>11}{'DCP load':>10}{'ours/DCP':>10}{'floor':>8}"
-              f"{'DCP/floor':>11}{'staged':>8}{'ours/staged':>13}{'ours save':>11}{'DCP save':>10}{'ours/DCP':>10}")
+        print("seconds per load, both ranks at once; each round's loads in the order shown (page cache evicted "
+              "before each)")
+        print(f"{'round':>5}{'loadavg':>8}{'DCP':>7}{'staged':>8}{'in place':>9}{'floor':>7}{'st.floor':>9}"
+              f"{'st.cold':>8}{'inplace/DCP':>12}{'staged/st.floor':>16}{'cold/st.floor':>14}{'save/DCP':>9}  order")
         for i in range(args.rounds):
-            ol, dl, fl, st, os_, ds = (results[k][i] for k in ("ours_load", "dcp_load", "floor", "staged", "ours_save",
-                                                              "dcp_save"))
-            print(f"{i:>5}{'ours' if i % 2 == 0 else 'DCP':>6}{results['loadavg'][i]:>9.2f}{ol:>11.3f}{dl:>10.3f}"
-                  f"{ol / dl:>10.2f}{fl:>8.3f}{dl / fl:>11.2f}{st:>8.3f}{ol / st:>13.2f}{os_:>11.3f}{ds:>10.3f}"
-                  f"{os_ / ds:>10.2f}")
+            v = {k: results[k][i] for k in results}
+            print(f"{i:>5}{v['loadavg']:>8.2f}{v['dcp']:>7.3f}{v['staged']:>8.3f}{v['in_place']:>9.3f}{v['floor']:>7.3f}"
+                  f"{v['staged_floor']:>9.3f}{v['staged_cold']:>8.3f}{v['in_place'] / v['dcp']:>12.2f}"
+                  f"{v['staged'] / v['staged_floor']:>16.2f}{v['staged_cold'] / v['staged_floor']:>14.2f}"
+                  f"{v['ours_save'] / v['dcp_save']:>9.2f}  {','.join(orders[i])}")
+        worst = {k: max(a / b for a, b in zip(results[k], results[ref])) for k, ref in
+                 (("in_place", "dcp"), ("staged", "staged_floor"), ("staged_cold", "staged_floor"))}
+        print(f"worst round: in place / DCP {worst['in_place']:.2f} (target <= 0.7), staged / staged floor "
+              f"{worst['staged']:.2f} (target <= 1.2), staged with an empty pool / staged floor "
+              f"{worst['staged_cold']:.2f}")
         print(f"bytes on disk: ours {sizes['ours'] / gb:.3f} GB, DCP {sizes['dcp'] / gb:.3f} GB "
               f"(state {total_state / gb:.3f} GB)")
         print(f"raw disk (all ranks at once): write+fsync {total_state / med['raw_write'] / gb:.2f} GB/s, "
               f"cold read {total_state / med['raw_read'] / gb:.2f} GB/s")
-        print(f"{'':28}{'ours':>10}{'DCP':>10}{'ours/DCP':>10}{'ours GB/s':>11}{'DCP GB/s':>10}")
-        for op in ("save", "load"):
-            o, d = med[f"ours_{op}"], med[f"dcp_{op}"]
-            print(f"{op + ' (s, median of ' + str(args.rounds) + ')':28}{o:10.3f}{d:10.3f}{o / d:10.2f}"
-                  f"{sizes['ours'] / o / gb:11.2f}{sizes['dcp'] / d / gb:10.2f}")
+        print(f"{'median of ' + str(args.rounds):24}{'s':>8}{'GB/s':>7}")
+        for key, label, nbytes in (("ours_save", "save ours", sizes["ours"]), ("dcp_save", "save DCP", sizes["dcp"]),
+                                   *((k, "load " + LABELS[k], sizes["dcp" if k == "dcp" else "ours"])
+                                     for k in LOADS)):
+            print(f"{label:24}{med[key]:8.3f}{nbytes / med[key] / gb:7.2f}")
         print(f"save: xxh3_128 digests take {med['hash']:.3f} s ({100 * med['hash'] / med['ours_save']:.1f}% of the "
-              f"save); load verify=False {med['ours_load_noverify']:.3f} s vs verify=True {med['ours_load']:.3f} s")
-        print(f"read floors (medians): in place (O_DIRECT into existing memory, no digest) {med['floor']:.3f} s, "
-              f"staged (into fresh memory, hashed) {med['staged']:.3f} s; DCP's load is "
-              f"{med['dcp_load'] / med['floor']:.2f}x the in-place floor, ours {med['ours_load'] / med['staged']:.2f}x "
-              "the staged one; 0.7x DCP = "
-              f"{0.7 * med['dcp_load']:.3f} s = {0.7 * med['dcp_load'] / med['staged']:.2f}x the staged floor")
-        print(f"ours save reaches {sizes['ours'] / med['ours_save'] / (total_state / med['raw_write']):.0%} of the raw "
-              f"write speed; load {sizes['ours'] / med['ours_load'] / (total_state / med['raw_read']):.0%} of the "
-              "raw cold-read speed")
+              f"save); ours/DCP {med['ours_save'] / med['dcp_save']:.2f}")
         if args.json:
             args.json.write_text(json.dumps({"machine": machine(), "params": n_params, "state_bytes": total_state,
-                                             "sizes": sizes, "runs": results, "median": med}, indent=2))
+                                             "sizes": sizes, "orders": orders, "runs": results, "median": med},
+                                            indent=2))
     dist.barrier()
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)

@@ -215,6 +215,36 @@ def runs(sizes: Sequence[int], part: Box) -> tuple[int, list[int]]:
     return run, starts
 
 
+def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
+    """The boxes, in C order, that tile elements ``[start, stop)`` of a C-ordered tensor of ``shape``.
+
+    A contiguous byte range of a stored tensor (one block of a streamed file) is at most ``2 k - 1`` boxes
+    for ``k`` dims: a partial row at each end of each dim around one box of whole rows. A 0-dim tensor's
+    one element is the box ``((), ())``."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [Box((), ())]
+    row = math.prod(shape[1:])
+    first, last = start // row, (stop - 1) // row
+    head, tail = start - first * row, stop - last * row
+    rest = tuple(shape[1:])
+
+    def within(index: int, lo: int, hi: int) -> list[Box]:
+        return [Box((index, *b.offsets), (1, *b.sizes)) for b in flat_boxes(rest, lo, hi)]
+
+    if first == last:
+        return within(first, head, tail)
+    out = within(first, head, row) if head else []
+    body = first + (1 if head else 0)
+    end = last + (1 if tail == row else 0)
+    if end > body:
+        out.append(Box((body, *(0,) * len(rest)), (end - body, *rest)))
+    if tail != row:
+        out += within(last, 0, tail)
+    return out
+
+
 def span_read(run: int, starts: Sequence[int]) -> bool:
     """Whether to read runs ``(run, starts)`` as one range from the first to the end of the last.
 

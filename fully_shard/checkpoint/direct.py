@@ -6,19 +6,31 @@ needs the memory address, the file offset and the length in multiples of the log
 ranges are widened to whole pages (``ALIGN``) and read into page-aligned anonymous mappings. The
 direct descriptor is a second descriptor of the *same* open file (``/proc/self/fd``), so it reads the
 file the checks were made on; where that or direct I/O is not available, reads are buffered.
+
+``read_whole`` reads a whole file in blocks, several in flight, hashing them in file order (the file
+images of image.py and the streams of stream.py). Their memory comes from ``POOL``: page-aligned
+buffers kept from one load to the next, because first touch of fresh memory (the kernel zeroing and
+mapping each page) costs about as much as reading the bytes from disk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import threading
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import xxhash
 
 ALIGN = 4096  # at least the logical block size of any disk; a page
+BLOCK_BYTES = 8 << 20  # one read of read_whole; ``DEPTH`` of them are in flight at once
+DEPTH = 4
 
 
 def round_up(n: int, to: int) -> int:
@@ -105,3 +117,145 @@ def as_tensor(buf: mmap.mmap, start: int, nbytes: int, dtype: torch.dtype, shape
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=start).view(dtype).view(shape)
+
+
+def set_direct(fd: int, on: bool) -> bool:
+    """Switch O_DIRECT on ``fd`` (Linux allows it on an open descriptor); False where it cannot be."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | flag if on else flags & ~flag)
+    except OSError:
+        return False
+    return True
+
+
+def read_block(fd: int, buf: memoryview, start: int, end: int, direct: bool,
+               short: Callable[[str], Exception]) -> bool:
+    """File bytes [start, end) into ``buf`` from its first byte (``buf``: page-aligned, at least ``end - start``
+    rounded up to ``ALIGN`` long; ``start`` a multiple of ``ALIGN``). Direct while ``direct`` and aligned (the
+    file's end reads short); a short read that leaves an unaligned offset is finished buffered, and a
+    refused direct read (EINVAL: the file system does not take direct I/O) switches the descriptor to
+    buffered reads. Returns whether reads are still direct."""
+    done = start
+    while done < end:
+        at = done - start
+        want = buf[at:at + round_up(end - done, ALIGN)] if direct and done % ALIGN == 0 else buf[at:end - start]
+        try:
+            got = os.preadv(fd, [want], done)
+        except OSError as e:
+            if not direct or e.errno != errno.EINVAL:
+                raise
+            set_direct(fd, False)
+            direct = False
+            continue
+        if got <= 0:
+            raise short(f"file ended at byte {done}, {end - done} bytes short")
+        done += got
+    return direct
+
+
+def read_whole(fd: int, size: int, *, slot: Callable[[int], memoryview], digest: bool,
+               on_block: Callable[[int, int, memoryview], None] | None = None, depth: int = DEPTH,
+               short: Callable[[str], Exception] = EOFError) -> str | None:
+    """Bytes [0, size) of the file open as ``fd``, in blocks of ``BLOCK_BYTES``: the block at byte ``start`` into
+    ``slot(start)``, ``depth`` reads in flight, direct where the file system takes it. In file order, each
+    block is hashed (``digest``) and then handed to ``on_block(start, end, buffer)``; the block ``depth``
+    blocks later is read meanwhile, so a ring of ``depth + 1`` buffers suffices. Returns the xxh3_128 of
+    the file (None without ``digest``). Every read has finished when this returns or raises."""
+    block = BLOCK_BYTES
+    starts = range(0, size, block)
+    direct = [set_direct(fd, True)]
+    h = xxhash.xxh3_128() if digest else None
+
+    def read(i: int) -> None:
+        direct[0] = read_block(fd, slot(starts[i]), starts[i], min(starts[i] + block, size), direct[0], short)
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(depth, len(starts))), thread_name_prefix="checkpoint-read") \
+                as pool:
+            pending = deque(pool.submit(read, i) for i in range(min(depth, len(starts))))
+            for i, start in enumerate(starts):
+                pending.popleft().result()
+                if i + depth < len(starts):
+                    pending.append(pool.submit(read, i + depth))
+                end = min(start + block, size)
+                buf = slot(start)
+                if h is not None:
+                    h.update(buf[:end - start])
+                if on_block is not None:
+                    on_block(start, end, buf)
+    finally:
+        set_direct(fd, False)
+    return h.hexdigest() if h is not None else None
+
+
+class BufferPool:
+    """Page-aligned buffers kept between loads, so that a load reads into memory that is already mapped.
+
+    First touch of fresh memory (the kernel zeroing and mapping each page) costs about as much as
+    reading the bytes from a fast disk (benchmarks/README.md, checkpoint section). A load takes its
+    buffers (a staged load's file images, an in-place load's ring of blocks) with ``take`` and gives
+    them back with ``give``, which marks their pages
+    ``MADV_FREE``: the kernel reclaims them whenever it needs memory (the pages then come back zeroed,
+    which a read overwrites anyway), and until then the next load reuses them without a fault.
+    ``settle`` at the end of a load unmaps what that load did not use, so the pool holds at most what
+    the last load needed."""
+
+    def __init__(self) -> None:
+        self._free: list[mmap.mmap] = []
+        self._used: set[int] = set()  # id() of buffers taken since the last settle
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> mmap.mmap:
+        """A buffer of at least ``nbytes`` (rounded up to a page): the smallest free one that fits, else a new one."""
+        with self._lock:
+            fits = [b for b in self._free if len(b) >= nbytes]
+            buf = min(fits, key=len) if fits else None
+            if buf is not None:
+                self._free.remove(buf)
+        if buf is None:
+            buf = aligned(nbytes)
+        with self._lock:
+            self._used.add(id(buf))
+        return buf
+
+    def give(self, buf: mmap.mmap) -> None:
+        """Back to the pool; its pages become reclaimable (no view of ``buf`` may outlive this call's caller)."""
+        free = getattr(mmap, "MADV_FREE", None)
+        if free is not None:
+            buf.madvise(free)
+        with self._lock:
+            self._free.append(buf)
+
+    def settle(self) -> None:
+        """Unmap the free buffers that no ``take`` used since the last settle."""
+        with self._lock:
+            stale = [b for b in self._free if id(b) not in self._used]
+            self._free = [b for b in self._free if id(b) in self._used]
+            self._used.clear()
+        _close(stale)
+
+    def clear(self) -> None:
+        """Unmap every free buffer (the next load starts from fresh memory)."""
+        with self._lock:
+            stale, self._free = self._free, []
+            self._used.clear()
+        _close(stale)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by free buffers."""
+        with self._lock:
+            return sum(len(b) for b in self._free)
+
+
+def _close(buffers: list[mmap.mmap]) -> None:
+    for b in buffers:
+        with contextlib.suppress(BufferError):  # a view still exports it: the mapping goes with the last view
+            b.close()
+
+
+POOL = BufferPool()

@@ -1,4 +1,5 @@
-"""CheckpointError, the one exception of the checkpoint package, and the helpers that word its messages.
+"""CheckpointError, the one exception of the checkpoint package (PartialLoadError: a load that had started
+writing), and the helpers that word its messages.
 
 Every message names the file or key that is wrong, what was expected and found, and the fix. Structure
 mismatches (model vs checkpoint, state dict vs model) print a diff: missing, unexpected, dtype/shape.
@@ -14,6 +15,22 @@ Signature = tuple[str, tuple[int, ...]]  # (dtype name, global shape)
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved, loaded or consolidated; the message names the file/key and the fix."""
+
+
+class PartialLoadError(CheckpointError):
+    """``checkpoint.load`` failed after it had begun writing into the model or optimizer (an in-place load
+    whose digest failed or whose file ended early, or an I/O error while copying): the message, and these
+    attributes, say what this rank's tensors hold now (logical names: model FQNs, ``"fqn/state"`` for
+    optimizer state). Every rank raises one, each with its own tensors."""
+
+    def __init__(self, message: str, *, rank: int, whole: tuple[str, ...], partly: tuple[str, ...],
+                 untouched: tuple[str, ...], unverified: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.whole = whole  # every element overwritten by this load
+        self.partly = partly  # some elements overwritten, the others as before
+        self.untouched = untouched  # as before the load
+        self.unverified = unverified  # of whole + partly: written from a file whose digest had not passed here
 
 
 def short(value: Any, limit: int = 80) -> str:

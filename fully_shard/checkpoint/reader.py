@@ -1,20 +1,27 @@
-"""checkpoint.load: open one generation, check everything, then copy; a failed load changes nothing.
+"""checkpoint.load: open one generation, check everything, then copy (staged) or read straight in (in place).
 
 Phases (each runs inside ``comm.phase``, so bad input raises the same error on every rank):
 1. opening: each rank opens the directory once and reads index.json (its digest checked first), matches
    the model and optimizer against it, plans its reads and opens every data file it needs through the
    directory's descriptor. The ranks agree on the index digest (one generation), the model structure,
    whether an optimizer was passed, and the flags.
-2. verifying and decoding: headers, each file's own records against the index, digests of this rank's
-   share; optimizer state and ``extra`` tensors read into fresh memory, ``extra`` and hyperparameters
-   decoded, the optimizer's state dict built and checked, still without touching model or optimizer.
-3. applying: each rank's blocks copied into its local shards (only an I/O error can fail here), then
-   ``Optimizer.load_state_dict`` of the dict built in 2.
+2. verifying and decoding: headers, each file's own records against the index; optimizer state the
+   optimizer does not hold yet and ``extra`` tensors read into fresh memory, ``extra`` and
+   hyperparameters decoded, the optimizer's state dict built and checked, still without touching model or
+   optimizer. ``LoadMode.STAGED`` also reads every file of this rank's digest share into memory here
+   and checks its digest (image.py), so a failed load changes nothing.
+3. writing: each rank's blocks of the model, and of the optimizer state it already holds, copied into
+   those tensors: out of the images (staged: only an I/O error can fail here), or streamed from the
+   files as they are read and hashed (``LoadMode.IN_PLACE``, stream.py: a bad digest is found after
+   its bytes were written). A failure from here on raises ``PartialLoadError``, saying on each rank
+   which tensors were written (ledger.py).
+4. ``Optimizer.load_state_dict`` of the dict built in 2, once every rank's writes and digests passed.
 """
 
 from __future__ import annotations
 
 import datetime
+import enum
 import functools
 import os
 import sys
@@ -32,74 +39,106 @@ from . import format as fmt
 from .boxes import Box, full_box, overlaps
 from .codec import ST_TO_TORCH, Encoded, decode, tensor_refs
 from .comm import Comm
-from .errors import CheckpointError, Signature, check_structure
+from .direct import POOL
+from .errors import CheckpointError, PartialLoadError, Signature, check_structure
 from .image import FileImage
+from .ledger import Ledger, Read
 from .snapshot import Snapshot, Vanished
 from .state_dict import torch_optimizer_state
+from .stream import stream, streamable
 from .views import box_of, from_local_like, model_views, optimizer_params, state_is_sharded
 from .writer import wait_pending
 
 _OPEN_ATTEMPTS = 3  # a writer may delete the generation we opened before we opened its files
+_LISTED = 50  # names per list in a PartialLoadError's message (the error's attributes hold them all)
+
+__all__ = ["LoadMode", "Loader", "Read", "load"]
 
 
-@dataclass
-class Read:
-    """One contiguous read: a box of a stored tensor into a destination view (also consolidate.py's)."""
+class LoadMode(enum.Enum):
+    """What ``checkpoint.load`` writes when, so what a failed load leaves behind (design/checkpoint-format.md
+    section 7)."""
 
-    file: str
-    key: str
-    src: Box  # the part of the stored chunk tensor, relative to the chunk
-    dst: torch.Tensor  # where it goes (a view of the target)
-    take: Callable[[torch.Tensor], None] | None = None  # fresh ``dst`` of a whole chunk: may take a view instead
+    STAGED = "staged"
+    """The default. Every file of the rank's share is read into memory and its digest checked on every
+    rank before anything is written: a failed load changes nothing. Costs memory for the rank's share
+    during the load (kept between loads, reclaimable: direct.BufferPool)."""
+    IN_PLACE = "in_place"
+    """DCP's contract: the bytes are copied into the model's and optimizer's existing tensors as they
+    are read, hashed on the way; the index, the structure, headers and sizes are still checked first.
+    A bad digest or a file that ends early is found after bytes were written: the load raises
+    ``PartialLoadError`` saying which tensors were overwritten. Needs no memory beyond a few blocks."""
 
 
 @dataclass
 class _OptimLocal:
-    """An optimizer state tensor read into fresh memory, before it is handed to the optimizer."""
+    """An optimizer state tensor: read into fresh memory, or into the tensor the optimizer already holds."""
 
     local: torch.Tensor
     param: torch.Tensor
     sharded: bool  # a DTensor laid out like ``param``
     shape: tuple[int, ...]
+    existing: torch.Tensor | None = None  # the optimizer's own tensor, whose ``local`` is written in place
 
     def take(self, local: torch.Tensor) -> None:
         self.local = local
 
     def value(self) -> torch.Tensor:
+        if self.existing is not None:
+            return self.existing
         if self.sharded and isinstance(self.param, DTensor):
             return from_local_like(self.param, self.local, self.shape)
         return self.local
 
 
-class Loader:
-    """Plans and runs one generation's reads: model tensors in place, side state into fresh memory."""
+def _reusable(current: Any, param: torch.Tensor, sharded: bool, dtype: torch.dtype, shape: tuple[int, ...],
+              held: Box) -> torch.Tensor | None:
+    """The local tensor of the optimizer's own ``current`` state when the saved state can be read into it (same
+    dtype, global shape and layout), else None (the state is read into fresh memory)."""
+    if not isinstance(current, torch.Tensor) or current.dtype != dtype or tuple(current.shape) != shape:
+        return None
+    if not sharded:
+        return None if isinstance(current, DTensor) else current.detach()
+    if not isinstance(current, DTensor) or not isinstance(param, DTensor) or current.device_mesh != param.device_mesh \
+            or tuple(current.placements) != tuple(param.placements):
+        return None
+    local = current.to_local()
+    return local if tuple(local.shape) == held.sizes else None
 
-    def __init__(self, comm: Comm, snapshot: Snapshot) -> None:
-        self.comm, self.snap, self.index = comm, snapshot, snapshot.index
+
+class Loader:
+    """Plans and runs one generation's reads: into the model's and optimizer's tensors, side state into fresh memory."""
+
+    def __init__(self, comm: Comm, snapshot: Snapshot, mode: LoadMode = LoadMode.STAGED) -> None:
+        self.comm, self.snap, self.index, self.mode = comm, snapshot, snapshot.index, mode
         self.model_reads: list[Read] = []
-        self.side_reads: list[Read] = []  # optimizer state and blobs: fresh memory, read before the model
+        self.optim_reads: list[Read] = []  # into optimizer state the optimizer already holds (phase 3)
+        self.side_reads: list[Read] = []  # optimizer state it does not hold yet, and blobs: fresh memory (phase 2)
         self.optim_locals: dict[tuple[str, str], _OptimLocal] = {}
         self.blobs: dict[str, torch.Tensor] = {}
         self.structure: dict[str, Signature] = {}
         self.digests: set[str] = set()  # the files this rank hashes
-        self.whole: set[str] = set()  # the files this rank reads whole into memory (image.py), hashed there
-        self.images: dict[str, FileImage] = {}  # those of them this rank reads tensors from, until close()
+        self.whole: set[str] = set()  # the files this rank reads whole, hashed as they arrive (image or stream)
+        self.images: dict[str, FileImage] = {}  # files read into memory that this rank copies from, until close()
+        self.verified: set[str] = set()  # files whose digest passed on this rank
+        self.ledger = Ledger()  # what the writes of phase 3 have written into the user's tensors
+        self.verify = True  # digests are checked (by the rank whose share a file is)
 
     @property
     def where(self) -> str:
         return os.path.join(self.snap.path, fmt.INDEX_FILE)
 
     def add(self, reads: list[Read], entry: fmt.TensorEntry, held: Box, dst: torch.Tensor,
-            take: Callable[[torch.Tensor], None] | None = None) -> None:
+            take: Callable[[torch.Tensor], None] | None = None, name: str = "") -> None:
         """Plan reading box ``held`` of ``entry`` into ``dst``: only the stored parts that overlap it.
 
         ``take``: ``dst`` is fresh CPU memory that may be replaced by the stored chunk itself (a view of
-        its file's image) when that chunk is exactly ``held``."""
+        its file's image) when that chunk is exactly ``held``. ``name``: the logical tensor (ledger)."""
         parts = overlaps(entry.chunks, held)
         whole = take is not None and len(parts) == 1 and parts[0][0].box == held and dst.device.type == "cpu"
         for chunk, part in parts:
             reads.append(Read(chunk.file, chunk.key, part.relative_to(chunk.box), dst[part.slices(held)],
-                              take if whole else None))
+                              take if whole else None, name))
 
     def plan_model(self, model: nn.Module, strict: bool) -> None:
         views, aliases = model_views(model)
@@ -119,7 +158,8 @@ class Loader:
         for v in views:
             source = next((n for n in [v.name, *names_by_view[v.name]] if n in found), None)
             if source is not None:
-                self.add(self.model_reads, index.model[index.aliases.get(source, source)], v.held, v.local)
+                self.add(self.model_reads, index.model[index.aliases.get(source, source)], v.held, v.local,
+                         name=v.name)
 
     def plan_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer, strict: bool) -> None:
         saved = self.index.optimizer
@@ -139,11 +179,18 @@ class Loader:
                 if not isinstance(value, fmt.TensorEntry):
                     continue
                 sharded = state_is_sharded(p, name, value.shape, (fqn, name) in saved.sharded, existing.get(name))
+                key = fmt.optim_name(fqn, name)
                 if sharded and isinstance(p, DTensor) and value.shape:
-                    held, device = box_of(fmt.optim_name(fqn, name), p, value.shape), p.to_local().device
+                    held, device = box_of(key, p, value.shape), p.to_local().device
                 else:
                     held, device = full_box(value.shape), torch.device("cpu")
-                local = torch.empty(held.sizes, dtype=ST_TO_TORCH[value.dtype], device=device)
+                dtype = ST_TO_TORCH[value.dtype]
+                mine = _reusable(existing.get(name), p, sharded and isinstance(p, DTensor), dtype, value.shape, held)
+                if mine is not None:  # read into the optimizer's own tensor in phase 3, as the model
+                    self.optim_locals[(fqn, name)] = _OptimLocal(mine, p, sharded, value.shape, existing[name])
+                    self.add(self.optim_reads, value, held, mine, name=key)
+                    continue
+                local = torch.empty(held.sizes, dtype=dtype, device=device)
                 optim_local = _OptimLocal(local, p, sharded and isinstance(p, DTensor), value.shape)
                 self.optim_locals[(fqn, name)] = optim_local
                 self.add(self.side_reads, value, held, local, take=optim_local.take)
@@ -186,22 +233,34 @@ class Loader:
         return {n for n in used if self.index.files[n].rank % self.comm.world == self.comm.rank}
 
     def check_files(self, reads: Sequence[Read] = ()) -> None:
-        """Every opened file's header and records; the digests of this rank's share. The files in ``whole``
-        are read into images (image.py) and hashed there; those that ``reads`` use are kept until close()."""
+        """Every opened file's header and records; the digests of this rank's share except those streamed
+        in phase 3. The files in ``whole`` are read whole, hashed as they arrive: into images (image.py)
+        when ``reads`` copy from them now or (staged) later, kept until close(); through a ring of blocks
+        when nothing is read from them (stream.py); an in-place load streams the rest in ``write``."""
         stored = self.snap.stored_by_file()
         used = {r.file for r in reads}
+        fresh = {r.file for r in self.side_reads}  # read from now, into fresh memory
+        views = {r.file for r in self.side_reads if r.take is not None}
         for name in sorted(self.snap.files):
             self.snap.check(name, stored[name])
-            if name in self.whole:
-                image = FileImage(self.snap.files[name], digest=name in self.digests)
+            if name in self.whole and (name in fresh or (name in used and self.mode is LoadMode.STAGED)):
+                image = FileImage(self.snap.files[name], digest=name in self.digests, pooled=name not in views)
                 if image.digest is not None:
-                    self.snap.verify_digest(name, image.digest)
+                    self._verify(name, image.digest)
                 if name in used:
                     self.images[name] = image
                 else:
                     image.release()
-            elif name in self.digests:
-                self.snap.verify_digest(name)
+            elif name in self.whole and name not in used:
+                self._verify(name, stream(self.snap.files[name], [], self.ledger, digest=name in self.digests))
+            elif name in self.digests and name not in self.whole:
+                self._verify(name, None)
+
+    def _verify(self, name: str, digest: str | None) -> None:
+        """``digest`` (None: hash the file now) against the index's; the file is then verified on this rank."""
+        if name in self.digests:
+            self.snap.verify_digest(name, digest)
+            self.verified.add(name)
 
     def close(self) -> None:
         """Release the images' pages that no view uses, and close the files."""
@@ -211,6 +270,34 @@ class Loader:
         self.snap.close()
 
     def run(self, reads: list[Read]) -> None:
+        """Reads into fresh memory or consolidate's buffers: from images, else ``pread``."""
+        self._copy(reads, ledger=None)
+
+    def write(self, reads: list[Read]) -> None:
+        """Phase 3: reads into the user's tensors, each byte counted in the ledger. Files in ``whole`` without
+        an image are streamed (stream.py), hashed as their blocks are copied and verified at their end."""
+        self.ledger.expect(reads)
+        streamed: dict[str, list[Read]] = defaultdict(list)
+        rest = []
+        for r in reads:
+            f = self.snap.files[r.file]
+            if r.file in self.whole and r.file not in self.images and streamable(f, r):
+                streamed[r.file].append(r)
+            else:
+                rest.append(r)
+        for name in sorted({r.file for r in reads if r.file in self.whole and r.file not in self.images}):
+            f = self.snap.files[name]
+            try:
+                with torch.no_grad():
+                    digest = stream(f, streamed[name], self.ledger, digest=name in self.digests)
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise CheckpointError(f"{f.where}: reading failed ({type(e).__name__}: {e})") from e
+            self._verify(name, digest)
+        self._copy(rest, ledger=self.ledger)
+
+    def _copy(self, reads: list[Read], ledger: Ledger | None) -> None:
         by_file: dict[str, list[Read]] = defaultdict(list)
         for r in reads:
             by_file[r.file].append(r)
@@ -220,16 +307,43 @@ class Loader:
                 image = self.images.get(name)
                 try:
                     for r in file_reads:
+                        if ledger is not None:
+                            ledger.begin(r)
                         if image is None:
                             f.read_box(r.key, r.src, r.dst)
                         elif r.take is not None:
                             r.take(image.keep(r.key))
                         else:
                             r.dst.copy_(image.tensor(r.key)[r.src.slices()])
+                        if ledger is not None:
+                            ledger.wrote(r, r.src.numel)
                 except CheckpointError:
                     raise
                 except Exception as e:
                     raise CheckpointError(f"{f.where}: reading failed ({type(e).__name__}: {e})") from e
+
+    def partial(self, error: CheckpointError, *, optimizer: bool) -> PartialLoadError:
+        """``error`` (the phase's common verdict) with what this rank's tensors now hold (the ledger)."""
+        staged = self.mode is LoadMode.STAGED
+        w = self.ledger.written(lambda f: self.verify and (staged or f in self.verified))
+        changed = len(w.whole) + len(w.partly)
+        lines = [str(error), f"  {self.mode}: on rank {self.comm.rank} this load had written into {changed} of the "
+                 f"{len(self.ledger.need)} model/optimizer tensors it loads"
+                 + (":" if changed else "; nothing on this rank was changed")]
+        if changed:
+            for label, names in (("overwritten", w.whole),
+                                 ("partly overwritten (some of their elements; the others as before)", w.partly),
+                                 ("not written (as before the load)", w.untouched),
+                                 ("of the written ones, holding bytes not verified on this rank (their file's digest "
+                                  "failed, was not checked yet, or is checked by another rank)", w.unverified)):
+                if names:
+                    lines.append(f"    {label}: {len(names)}: {_names(names)}")
+            lines.append("    not loaded: the optimizer's param_groups and step counts held outside these tensors, "
+                         "and `extra`" if optimizer else "    `extra` was not returned")
+        lines.append("  fix: load a checkpoint into this model again before training on (this one once its files "
+                     "are restored, or an earlier one); LoadMode.STAGED changes nothing when content is bad")
+        return PartialLoadError("\n".join(lines), rank=self.comm.rank, whole=w.whole, partly=w.partly,
+                                untouched=w.untouched, unverified=w.unverified)
 
     def decode(self, where: str, tree: Encoded) -> Any:
         try:
@@ -261,13 +375,20 @@ class Loader:
         return self.decode("extra", self.extra_tree())
 
 
+def _names(names: tuple[str, ...]) -> str:
+    shown = ", ".join(names[:_LISTED])
+    return shown + (f" ... and {len(names) - _LISTED} more (all in the error's attributes)" if len(names) > _LISTED
+                    else "")
+
+
 def _open(comm: Comm, path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool,
-          verify: bool) -> Loader:
+          verify: bool, mode: LoadMode) -> Loader:
     """Phase 1 on this rank: one generation opened, matched and planned (retried if it vanished)."""
     for attempt in range(_OPEN_ATTEMPTS):
         snapshot = Snapshot(path)
         try:
-            loader = Loader(comm, snapshot)
+            loader = Loader(comm, snapshot, mode)
+            loader.verify = verify
             loader.plan_model(model, strict)
             if optimizer is not None:
                 loader.plan_optimizer(model, optimizer, strict)
@@ -275,8 +396,8 @@ def _open(comm: Comm, path: str, model: nn.Module, optimizer: torch.optim.Optimi
             namespaces = {"model", "extra"} | ({"optim"} if optimizer is not None else set())
             share = loader.digest_share(namespaces)
             loader.digests = share if verify else set()
-            used = {r.file for r in loader.model_reads + loader.side_reads}
-            if sys.byteorder == "little":  # images hold the files' (little-endian) bytes as they are
+            used = {r.file for r in loader.model_reads + loader.optim_reads + loader.side_reads}
+            if sys.byteorder == "little":  # images and streams hold the files' (little-endian) bytes as they are
                 loader.whole = share & (used | loader.digests)
             snapshot.open(used | loader.digests)
             return loader
@@ -290,41 +411,71 @@ def _open(comm: Comm, path: str, model: nn.Module, optimizer: torch.optim.Optimi
     raise AssertionError("unreachable")
 
 
+def _mode(mode: LoadMode | str) -> LoadMode:
+    try:
+        return LoadMode(mode.value if isinstance(mode, LoadMode) else mode)
+    except ValueError:
+        raise ValueError(f"checkpoint.load: mode={mode!r} is not a LoadMode; expected one of "
+                         f"{[m.name for m in LoadMode]} (LoadMode.STAGED, the default, changes nothing when a load "
+                         "fails; LoadMode.IN_PLACE reads straight into the tensors)") from None
+
+
 def load(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         strict: bool = True, verify: bool = True, timeout: datetime.timedelta | float | None = None) -> Any:
+         strict: bool = True, verify: bool = True, mode: LoadMode | str = LoadMode.STAGED,
+         timeout: datetime.timedelta | float | None = None) -> Any:
     """Load a checkpoint saved at any world size/mesh into ``model`` (+ ``optimizer``); returns ``extra``.
 
     Collective when a process group is initialized; also works in a plain single process and into an
-    unsharded module. Nothing is copied into the model or optimizer before the index, the structure,
-    every file's header and records, ``extra`` and (``verify=True``) every content digest have been
-    checked on all ranks. ``load`` never modifies the checkpoint directory. ``timeout`` (seconds or a
-    timedelta, default 5 minutes) bounds how long a rank waits for the others at each phase.
+    unsharded module. Before anything is written, every rank checks the index, the structure, every
+    file's header and records, and ``extra``. ``mode`` says when the data is checked:
+
+    * ``LoadMode.STAGED`` (default): each rank reads its share of the files into memory and every
+      content digest is checked on all ranks before anything is copied: a failed load changes nothing.
+    * ``LoadMode.IN_PLACE``: the bytes go straight into the model's and optimizer's existing tensors,
+      hashed as they arrive (``verify=True``); a bad digest, a file that ends early or an I/O error
+      leaves them partly loaded and raises ``PartialLoadError`` naming, on each rank, the tensors that
+      were overwritten. Faster, and needs no memory for the share (DCP's contract).
+
+    Optimizer state the optimizer already holds, laid out as the saved state will be, is written into
+    its tensors; other state is read into fresh memory. ``load`` never modifies the checkpoint
+    directory. ``timeout`` (seconds or a timedelta, default 5 minutes) bounds how long a rank waits for
+    the others at each phase.
     """
+    mode = _mode(mode)
     wait_pending()
     comm = Comm(timeout)
     path = os.path.abspath(os.fspath(path))
     what = f"checkpoint.load({path!r})"
-    facts: dict[str, Any] = {"optimizer passed": optimizer is not None, "strict, verify": [strict, verify]}
+    facts: dict[str, Any] = {"optimizer passed": optimizer is not None,
+                             "strict, verify, mode": [strict, verify, mode.value]}
     loader: Loader | None = None
     try:
         with comm.phase(f"{what}: opening", facts=facts):
-            loader = _open(comm, path, model, optimizer, strict, verify)
+            loader = _open(comm, path, model, optimizer, strict, verify, mode)
             facts["index digest (generation)"] = loader.index.digest
             facts["model structure"] = {k: [d, list(s)] for k, (d, s) in sorted(loader.structure.items())}
         prepared: dict[str, Any] | None = None
-        with comm.phase(f"{what}: verifying files, decoding optimizer state and extra"):
-            loader.check_files(loader.model_reads + loader.side_reads)
+        checks = "verifying files" if mode is LoadMode.STAGED else "checking file headers"
+        with comm.phase(f"{what}: {checks}, decoding optimizer state and extra"):
+            loader.check_files(loader.model_reads + loader.optim_reads + loader.side_reads)
             loader.run(loader.side_reads)
             if optimizer is not None and loader.index.optimizer is not None:
                 prepared = torch_optimizer_state(model, optimizer, loader.optimizer_state_dict(), strict,
                                                  loader.index.optimizer.sharded, copy=False)
             result = loader.extra()
-        with comm.phase(f"{what}: reading the model and loading the optimizer state (after every check passed: "
-                        "only an I/O error can fail here, and it can leave the model partially loaded)"):
-            loader.run(loader.model_reads)
-            if optimizer is not None and prepared is not None:
-                optimizer.load_state_dict(prepared)
+        writing = ("copying the model and optimizer state (after every check passed: only an I/O error can fail "
+                   "here)" if mode is LoadMode.STAGED else
+                   "reading the model and optimizer state in place, verifying each file as it is read")
+        try:
+            with comm.phase(f"{what}: {writing}"):
+                loader.write(loader.model_reads + loader.optim_reads)
+            if prepared is not None:
+                with comm.phase(f"{what}: loading the optimizer state"):
+                    optimizer.load_state_dict(prepared)  # type: ignore[union-attr]  # prepared implies optimizer
+        except CheckpointError as e:
+            raise loader.partial(e, optimizer=optimizer is not None) from e
     finally:
         if loader is not None:
             loader.close()
+        POOL.settle()
     return result

@@ -102,26 +102,52 @@ def loads_strict(raw: bytes, source: str, *, max_depth: int = MAX_JSON_DEPTH,
         raise fail("top level", f"nesting far deeper than the {max_depth} levels allowed") from None
     except ValueError as e:
         raise fail("JSON", f"not valid JSON ({e})") from None
-    stack: list[tuple[Any, str, int]] = [(doc, "", 0)]
+    def at(trail: _Trail) -> str:
+        path = _path(trail)
+        return (path if len(path) <= 120 else path[:117] + "...") or "top level"
+
+    def check(value: Any, trail: _Trail) -> None:  # a value that is not an object or array
+        if isinstance(value, _NonFinite) or (type(value) is float and not math.isfinite(value)):
+            raise fail(at(trail), f"non-finite number {getattr(value, 'name', value)!r} (strict JSON has none)")
+        if type(value) is str and len(value) > max_string:
+            raise fail(at(trail), f"a string of {len(value)} characters, more than the {max_string} allowed")
+
+    if not isinstance(doc, (dict, list)):
+        check(doc, None)
+        return doc
+    # Objects and arrays only go on the stack; their other values are checked as their container is walked,
+    # and a value's path is spelled out only when it is reported (the walk is most of a header's parse).
+    stack: list[tuple[Any, _Trail, int]] = [(doc, None, 0)]
     while stack:
-        value, path, depth = stack.pop()
-        where = (path if len(path) <= 120 else path[:117] + "...") or "top level"
-        if isinstance(value, (dict, list)) and depth >= max_depth:
-            raise fail(where, f"nested deeper than the {max_depth} levels allowed")
+        value, trail, depth = stack.pop()
+        if depth >= max_depth:
+            raise fail(at(trail), f"nested deeper than the {max_depth} levels allowed")
         if isinstance(value, _Duplicates):
-            raise fail(where, f"duplicate key {short(value.duplicate)} (JSON readers disagree on which one wins)")
-        if isinstance(value, _NonFinite) or (isinstance(value, float) and not math.isfinite(value)):
-            raise fail(where, f"non-finite number {getattr(value, 'name', value)!r} (strict JSON has none)")
-        if isinstance(value, str) and len(value) > max_string:
-            raise fail(where, f"a string of {len(value)} characters, more than the {max_string} allowed")
-        if isinstance(value, dict):
-            for k, v in value.items():
-                if len(k) > max_string:
-                    raise fail(where, f"a key of {len(k)} characters, more than the {max_string} allowed")
-                stack.append((v, f"{path}[{k!r}]" if path else k, depth + 1))
-        elif isinstance(value, list):
-            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+            raise fail(at(trail), f"duplicate key {short(value.duplicate)} (JSON readers disagree on which one wins)")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            if type(k) is str and len(k) > max_string:
+                raise fail(at(trail), f"a key of {len(k)} characters, more than the {max_string} allowed")
+            if isinstance(v, (dict, list)):
+                stack.append((v, (trail, k), depth + 1))
+            elif type(v) is not int:
+                check(v, (trail, k))
     return doc
+
+
+_Trail = tuple[Any, str | int] | None  # (the parent's trail, this key or index); None: the top level
+
+
+def _path(trail: _Trail) -> str:
+    """``a['b'][0]``: the path of a value in a JSON document, from its trail."""
+    keys: list[str | int] = []
+    while trail is not None:
+        trail, key = trail
+        keys.append(key)
+    path = ""
+    for key in reversed(keys):
+        path = (f"{path}[{key!r}]" if path else key) if isinstance(key, str) else f"{path}[{key}]"
+    return path
 
 
 class IndexParser:

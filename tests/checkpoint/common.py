@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import torch
@@ -117,3 +118,68 @@ def assert_clear_errors(per_rank: list[dict[str, Any]], fragments: dict[str, tup
             for fragment in expected:
                 assert fragment in message, f"{name}: rank {rank}: {fragment!r} not in:\n{message}"
             assert "fix" in message, message
+
+
+def local_bytes(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> dict[str, bytes]:
+    """This rank's model and optimizer state as raw bytes per tensor (no collective), and the hyperparameters."""
+    out: dict[str, bytes] = {}
+    for k, t in model.state_dict().items():
+        out[k] = _raw(t)
+    if opt is not None:
+        names = {id(p): n for n, p in model.named_parameters()}
+        for p, state in opt.state.items():
+            for k, v in state.items():
+                out[f"{names[id(p)]}/{k}"] = _raw(v) if isinstance(v, torch.Tensor) else repr(v).encode()
+        out["param_groups"] = json.dumps([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+                                         sort_keys=True, default=str).encode()
+    return out
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def scramble(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> None:
+    """Overwrite every local model and optimizer tensor (and the learning rates) so a load must write it all."""
+    tensors = list(model.state_dict().values())
+    if opt is not None:
+        tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        for g in opt.param_groups:
+            g["lr"] = 123.0
+    with torch.no_grad():
+        for t in tensors:
+            local = t.to_local() if isinstance(t, DTensor) else t
+            local.fill_(float("nan") if local.is_floating_point() else 7)
+
+
+def load_both(path: Any, model: nn.Module, opt: torch.optim.Optimizer | None = None, **kwargs: Any) -> Any:
+    """checkpoint.load (staged, the default) as the test asked, then the same checkpoint again in place after
+    ``scramble``: both must leave this rank's model and optimizer bitwise the same and return the same extra."""
+    from fully_shard import checkpoint
+
+    extra = checkpoint.load(path, model, opt, **kwargs)
+    staged = local_bytes(model, opt)
+    scramble(model, opt)
+    again = checkpoint.load(path, model, opt, mode=checkpoint.LoadMode.IN_PLACE, **kwargs)
+    in_place = local_bytes(model, opt)
+    assert sorted(in_place) == sorted(staged), sorted(set(in_place) ^ set(staged))
+    differ = [k for k in staged if in_place[k] != staged[k]]
+    assert not differ, f"in-place load differs from the staged one in {differ}"
+    _assert_same_tree(again, extra)
+    return extra
+
+
+def _assert_same_tree(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), (a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(a) == sorted(b), (a, b)
+        for k in a:
+            _assert_same_tree(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), (a, b)
+        for x, y in zip(a, b):
+            _assert_same_tree(x, y)
+    else:
+        assert a == b, (a, b)

@@ -281,7 +281,8 @@ def _writer_loop(path: str, stop: Any, conn: Any) -> None:
 
 
 def test_a_reader_beside_a_writer_reads_one_generation(tmp_path: Path) -> None:
-    """The "evaluate the latest checkpoint" pattern: loads race an overwriting writer, bounded loop."""
+    """The "evaluate the latest checkpoint" pattern: loads (a third of them in place) race an overwriting writer,
+    bounded loop."""
     import multiprocessing as mp
 
     path = str(tmp_path / "latest")
@@ -301,7 +302,8 @@ def test_a_reader_beside_a_writer_reads_one_generation(tmp_path: Path) -> None:
                 break
             model = _tiny(-1.0)
             try:
-                gen = checkpoint.load(path, model, verify=i % 2 == 0)["gen"]
+                mode = checkpoint.LoadMode.IN_PLACE if i % 3 == 0 else checkpoint.LoadMode.STAGED
+                gen = checkpoint.load(path, model, verify=i % 2 == 0, mode=mode)["gen"]
             except checkpoint.CheckpointError as e:
                 counts["failed cleanly"] += 1
                 failures.append(str(e).splitlines()[-1][:160])

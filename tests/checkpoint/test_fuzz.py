@@ -307,3 +307,71 @@ def test_fuzzed_checkpoints_fail_cleanly_on_every_rank(tmp_path: Path) -> None:
         mutations[label.split(" ")[0] if not label.startswith(("resealed", "index")) else label] += 1
     print(f"\nfuzz seed {SEED}: {sum(kinds.values())} cases, all failed cleanly on both ranks, state unchanged; "
           f"by error kind: {dict(kinds.most_common())}; by mutation: {dict(mutations.most_common())}")
+
+
+IN_PLACE_CASES = int(os.environ.get("FS_FUZZ_IN_PLACE_CASES", "120"))
+
+
+@distributed(world_size=2, timeout=150)
+def _fuzz_in_place(tmp: str, seed: int, cases: int) -> dict[str, Any]:
+    """The same mutations loaded with LoadMode.IN_PLACE: each fails clearly; a failure before any write changes
+    nothing; a PartialLoadError's untouched tensors are as they were and its lists cover every tensor."""
+    from tests.checkpoint import common as C
+
+    rank = dist.get_rank()
+    good, foreign = os.path.join(tmp, "good"), os.path.join(tmp, "foreign")
+    model, opt = _model(0)
+    extra = {"step": 1, "rng": torch.arange(4, dtype=torch.uint8), "sched": (0.5, "cosine")}
+    checkpoint.save(good, model, opt, extra=extra)
+    other, other_opt = _model(1)
+    checkpoint.save(foreign, other, other_opt, extra={**extra, "rng": torch.arange(4, dtype=torch.uint8) + 1})
+    rng = random.Random(seed + 1)
+    outcomes: list[list[Any]] = []
+    target: torch.nn.Module | None = None
+    for i in range(cases):
+        mutate, also_unverified = MUTATIONS[rng.randrange(len(MUTATIONS))]
+        case_rng = random.Random(rng.randrange(1 << 30))
+        verify = not (also_unverified and case_rng.random() < 0.5)
+        case = os.path.join(tmp, f"case-{i}")
+        label = ""
+        if rank == 0:
+            shutil.copytree(good, case)
+            label = mutate(case_rng, case, good, foreign)
+        dist.barrier()
+        if target is None:
+            target, target_opt = _model(2)
+            before = C.local_bytes(target, target_opt)
+        common, partial = "", False
+        try:
+            checkpoint.load(case, target, target_opt, verify=verify, timeout=30, mode=checkpoint.LoadMode.IN_PLACE)
+        except checkpoint.PartialLoadError as e:
+            common, partial = str(e.__cause__), True
+            now = C.local_bytes(target, target_opt)
+            assert sorted([*e.whole, *e.partly, *e.untouched]) == sorted(k for k in now if k != "param_groups"), label
+            assert all(now[k] == before[k] for k in e.untouched), f"case {i} ({label}): an untouched tensor changed"
+            assert now["param_groups"] == before["param_groups"], label
+            assert "fix" in str(e) and f"on rank {rank} this load had written into" in str(e), str(e)
+            target = None  # partly loaded: the next case starts from a fresh target
+        except CheckpointError as e:
+            common = str(e)
+            assert C.local_bytes(target, target_opt) == before, \
+                f"case {i} ({label}, verify={verify}): a load that failed before writing changed the state:\n{e}"
+        if not common:
+            target = None
+        outcomes.append([label, common, partial, case])
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(case)
+    return {"outcomes": outcomes}
+
+
+def test_fuzzed_checkpoints_in_place_fail_clearly_and_report_truthfully(tmp_path: Path) -> None:
+    per_rank = [r["outcomes"] for r in _fuzz_in_place(str(tmp_path), SEED, IN_PLACE_CASES)]
+    kinds: collections.Counter[str] = collections.Counter()
+    for (label, common, partial, case), (_, common1, partial1, _) in zip(*per_rank):
+        assert common, f"{label} loaded without an error"
+        assert common == common1 and partial == partial1, f"{label}: the ranks disagree:\n{common}\n---\n{common1}"
+        assert case in common and "fix" in common, common
+        kinds[("partial: " if partial else "") + _kind(common)] += 1
+    print(f"\nin-place fuzz seed {SEED}: {sum(kinds.values())} cases, all failed clearly on both ranks; "
+          f"by outcome: {dict(kinds.most_common())}")

@@ -233,7 +233,7 @@ def test_a_version_2_checkpoint_still_loads(tmp_path: Path) -> None:
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    extra = checkpoint.load(DATA / "v2-linear", model, opt)
+    extra = C.load_both(DATA / "v2-linear", model, opt)
     expected = load_file(DATA / "v2-linear-expected.safetensors")
     names = {id(p): n for n, p in model.named_parameters()}
     got = {f"model/{k}": v for k, v in model.state_dict().items()}
@@ -292,7 +292,7 @@ def _shard1_save(path: str) -> dict[str, Any]:
 @distributed(world_size=2)
 def _shard1_load_as_shard0(path: str) -> dict[str, Any]:
     model, opt = _gpt(5, 2)
-    assert checkpoint.load(path, model, opt) == {"step": 2}
+    assert C.load_both(path, model, opt) == {"step": 2}
     out = {"model": C.full_state(model), "optim": C.full_optim(model, opt)}
     return {**out, "losses": _train(model, opt, 2, 2)}
 
@@ -305,7 +305,7 @@ def test_shard_placement_fn_dim1_across_world_sizes(tmp_path: Path) -> None:
     assert '"offsets":[0,10],"sizes":[20,10]' in index  # a column block: rank 1's part of down.weight
     w2 = _shard1_load_as_shard0(path)[0]
     plain, plain_opt = _gpt(9, None)
-    checkpoint.load(path, plain, plain_opt)
+    C.load_both(path, plain, plain_opt)
     here = {"model": C.full_state(plain), "optim": C.full_optim(plain, plain_opt),
             "losses": _train(plain, plain_opt, 2, 2)}
     for name, got in (("W=2 Shard(0)", w2), ("plain module", here)):
@@ -358,16 +358,16 @@ def _hand_built(tmp: str) -> dict[str, Any]:
         assert torch.equal(p.full_tensor(), _full(name, tuple(p.shape))), name  # type: ignore[attr-defined]
     checkpoint.save(os.path.join(tmp, "hand"), source)
     same = _dtensor_module(layouts, fill=0.0)  # the same layout: each rank's local block comes back
-    checkpoint.load(os.path.join(tmp, "hand"), same)
+    C.load_both(os.path.join(tmp, "hand"), same)
     for (name, *_), a, b in zip(layouts, source.parameters(), same.parameters()):
         assert torch.equal(a.to_local(), b.to_local()), name  # type: ignore[attr-defined]
     # Another layout for every tensor: 1-D Shard(0) over 4 ranks (or Replicate for the 0-dim one), and back.
     flat = [(n, s, (4,), [Shard(0)] if s else [Replicate()]) for n, s, _, _ in layouts]
     other = _dtensor_module(flat, fill=0.0)
-    checkpoint.load(os.path.join(tmp, "hand"), other)
+    C.load_both(os.path.join(tmp, "hand"), other)
     checkpoint.save(os.path.join(tmp, "flat"), other)
     back = _dtensor_module(layouts, fill=0.0)
-    checkpoint.load(os.path.join(tmp, "flat"), back)
+    C.load_both(os.path.join(tmp, "flat"), back)
     for (name, shape, *_), a, b in zip(layouts, other.parameters(), back.parameters()):
         assert torch.equal(a.full_tensor(), _full(name, shape)), name  # type: ignore[attr-defined]
         assert torch.equal(b.full_tensor(), _full(name, shape)), name  # type: ignore[attr-defined]
@@ -395,7 +395,7 @@ def test_hand_built_dtensors_on_1d_2d_3d_meshes(tmp_path: Path) -> None:
     plain = nn.Module()
     for name, shape, _, _ in _layouts_4():
         plain.register_parameter(name, nn.Parameter(torch.zeros(shape)))
-    checkpoint.load(tmp_path / "hand", plain)
+    C.load_both(tmp_path / "hand", plain)
     truth = {name: _full(name, shape) for name, shape, _, _ in _layouts_4()}
     C.assert_same({k: v.detach() for k, v in plain.state_dict().items()}, truth, "plain module")
     C.assert_same(load_file(checkpoint.consolidate(tmp_path / "hand", tmp_path / "hf")[0]), truth, "consolidated")
@@ -511,13 +511,13 @@ def _tp_load_dp4_and_tp_torch(path: str, tmp: str) -> dict[str, Any]:
         fully_shard(blk)
     fully_shard(dp4)
     dp4_opt = _adamw(dp4)
-    assert checkpoint.load(path, dp4, dp4_opt) == {"step": 3}
+    assert C.load_both(path, dp4, dp4_opt) == {"step": 3}
     out: dict[str, Any] = {"dp4": _state(dp4, dp4_opt)}
     checkpoint.save(os.path.join(tmp, "from-dp4"), dp4, dp4_opt)
     out["dp4"]["losses"] = _tp_train(dp4, dp4_opt, 3, 3, 4, dist.get_rank())
     for name, source in (("tp", path), ("tp from dp4", os.path.join(tmp, "from-dp4"))):
         tp, tp_opt, mesh = _tp_model(8, torch_fully_shard)
-        checkpoint.load(source, tp, tp_opt)
+        C.load_both(source, tp, tp_opt)
         out[name] = {**_state(tp, tp_opt), "losses": _tp_train(tp, tp_opt, 3, 3, 2, mesh["dp"].get_local_rank())}
     return out
 
@@ -529,7 +529,7 @@ def _tp_load_dp1(path: str) -> dict[str, Any]:
         fully_shard(blk)
     fully_shard(model)
     opt = _adamw(model)
-    checkpoint.load(path, model, opt)
+    C.load_both(path, model, opt)
     return {**_state(model, opt), "losses": _tp_train(model, opt, 3, 3, 1, 0)}
 
 
@@ -542,7 +542,7 @@ def test_tp_checkpoint_loads_into_dp4_tp_dp1_and_a_plain_module(tmp_path: Path) 
     runs["dp1"] = _tp_load_dp1(path)[0]
     plain = _TPNet(10)
     plain_opt = _adamw(plain)
-    checkpoint.load(path, plain, plain_opt)
+    C.load_both(path, plain, plain_opt)
     runs["plain module"] = {**_state(plain, plain_opt), "losses": _tp_train(plain, plain_opt, 3, 3, 1, 0)}
     diffs = {}
     for name, got in runs.items():
@@ -576,14 +576,14 @@ def _ours_tp_round_trip(torch_path: str, tmp: str) -> dict[str, Any]:
     for name, shard, source in (("ours tp", fully_shard, ours_path), ("torch tp", torch_fully_shard, ours_path),
                                 ("ours tp from torch's save", fully_shard, torch_path)):
         tp, tp_opt, tp_mesh = _tp_model(8, shard)
-        checkpoint.load(source, tp, tp_opt)
+        C.load_both(source, tp, tp_opt)
         out[name] = {**_state(tp, tp_opt), "losses": _tp_train(tp, tp_opt, 3, 3, 2, tp_mesh["dp"].get_local_rank())}
     dp4 = _TPNet(7)
     for blk in dp4.blocks:
         fully_shard(blk)
     fully_shard(dp4)
     dp4_opt = _adamw(dp4)
-    checkpoint.load(ours_path, dp4, dp4_opt)
+    C.load_both(ours_path, dp4, dp4_opt)
     out["dp4"] = {**_state(dp4, dp4_opt), "losses": _tp_train(dp4, dp4_opt, 3, 3, 4, dist.get_rank())}
     return out
 
@@ -599,7 +599,7 @@ def test_our_tp_model_checkpoint_round_trips(tmp_path: Path) -> None:
     out["dp1"] = _tp_load_dp1(ours_path)[0]
     plain = _TPNet(10)
     plain_opt = _adamw(plain)
-    checkpoint.load(ours_path, plain, plain_opt)
+    C.load_both(ours_path, plain, plain_opt)
     out["plain module"] = {**_state(plain, plain_opt), "losses": _tp_train(plain, plain_opt, 3, 3, 1, 0)}
     diffs = {}
     for name, got in out.items():

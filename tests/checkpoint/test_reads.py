@@ -9,6 +9,7 @@ a load at the saving world size reads each byte of its files exactly once.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,8 +24,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fully_shard import checkpoint
-from fully_shard.checkpoint import boxes, direct, image, safetensors_io
+from fully_shard.checkpoint import boxes, direct, image, safetensors_io, stream
+from fully_shard.checkpoint import direct as direct_io
 from fully_shard.checkpoint.boxes import Box
+from fully_shard.checkpoint.ledger import Ledger, Read
 from fully_shard.checkpoint.safetensors_io import DataFile
 from tests.checkpoint import common as C
 from tests.distributed.harness import distributed
@@ -113,9 +116,9 @@ def test_any_block_reads_back_bitwise(tmp_path_factory: pytest.TempPathFactory, 
 @pytest.mark.parametrize("direct", [True, False])
 def test_file_image_bytes_digest_views_and_release(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    direct: bool) -> None:
-    monkeypatch.setattr(image, "BLOCK_BYTES", 3 * 4096)  # many blocks in flight, a short last one
+    monkeypatch.setattr(direct_io, "BLOCK_BYTES", 3 * 4096)  # many blocks in flight, a short last one
     if not direct:
-        monkeypatch.setattr(image, "_set_direct", lambda fd, on: False)
+        monkeypatch.setattr(direct_io, "set_direct", lambda fd, on: False)
     tensors = {"a": torch.randn(1000, 7), "b": torch.arange(12345, dtype=torch.int16), "c": torch.randn(3)}
     with _opened(tmp_path, tensors) as f:
         f.header()
@@ -146,15 +149,103 @@ def test_file_image_finishes_buffered_after_a_refused_direct_read(tmp_path: Path
     tensors = {"a": torch.randn(5000)}
     with _opened(tmp_path, tensors) as f:
         f.header()
-        monkeypatch.setattr(image.os, "preadv", refuse_aligned)
+        monkeypatch.setattr(direct_io.os, "preadv", refuse_aligned)
         img = image.FileImage(f, digest=True, threads=1)
         assert img.digest == f.digest()
         assert torch.equal(img.tensor("a"), tensors["a"])
         assert calls[:2] == [0, 0]  # the same block again, buffered
 
 
+def test_pooled_image_reuses_its_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pooled image goes back to the pool (MADV_FREE) and the next one of its size reads into the same mapping;
+    settle() unmaps what the last load did not use."""
+    monkeypatch.setattr(direct_io, "POOL", direct_io.BufferPool())
+    monkeypatch.setattr(image, "POOL", direct_io.POOL)
+    monkeypatch.setattr(direct_io, "BLOCK_BYTES", 2 * 4096)
+    first = {"a": torch.randn(3000)}
+    second = {"a": torch.randn(3000) + 5}  # same size, other bytes
+    with _opened(tmp_path, first) as f:
+        f.header()
+        img = image.FileImage(f, digest=True, pooled=True)
+        assert img.digest == f.digest() and torch.equal(img.tensor("a"), first["a"])
+        mapping = img.map
+        with pytest.raises(AssertionError, match="pooled"):
+            img.keep("a")
+        img.release()
+    assert direct_io.POOL.nbytes == len(mapping)  # type: ignore[arg-type]
+    other = tmp_path / "other"
+    other.mkdir()
+    with _opened(other, second) as f:
+        f.header()
+        img = image.FileImage(f, digest=True, pooled=True)
+        assert img.map is mapping  # the same memory, already mapped
+        assert img.digest == f.digest() and torch.equal(img.tensor("a"), second["a"])
+        img.release()
+    direct_io.POOL.settle()  # used since the last settle: kept
+    assert direct_io.POOL.nbytes == len(mapping)  # type: ignore[arg-type]
+    direct_io.POOL.settle()  # not used since: unmapped
+    assert direct_io.POOL.nbytes == 0
+
+
+def test_flat_boxes_tile_a_flat_range() -> None:
+    for shape in [(), (5,), (3, 4), (2, 3, 4), (1, 1, 3), (4, 1, 2, 3)]:
+        n = math.prod(shape)
+        t = torch.arange(n).reshape(shape)
+        for a in range(n + 1):
+            for b in range(a, n + 1):
+                parts = boxes.flat_boxes(shape, a, b)
+                got = torch.cat([t[p.slices()].reshape(-1) for p in parts]) if parts else torch.empty(0)
+                assert torch.equal(got, torch.arange(a, b)), (shape, a, b, parts)
+                assert len(parts) <= max(1, 2 * len(shape) - 1), (shape, a, b, parts)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=0, max_size=3), st.sampled_from([torch.float32, torch.bfloat16,
+                                                                               torch.int64, torch.uint8]),
+       st.integers(1, 3), st.data())
+def test_stream_copies_any_boxes_as_blocks_arrive(tmp_path_factory: pytest.TempPathFactory, shape: list[int],
+                                                  dtype: torch.dtype, block_pages: int, data: st.DataObject) -> None:
+    """Every read's box, from a file streamed through tiny blocks (boxes cut by block edges anywhere), equals
+    read_box's; the digest is the file's; the ledger counts every element; the ring goes back to the pool."""
+    first = torch.arange(math.prod(shape) * 3 + 5).to(dtype)[:3 + block_pages]  # another tensor before it
+    t = (torch.randn(shape) * 100).to(dtype) if shape else torch.tensor(7).to(dtype)
+    big = torch.randn(700, 13)  # several blocks
+    tensors = {"first": first, "big": big, "t": t}
+    reads, want = [], []
+    for key, source in (("t", t), ("big", big), ("t", t)):
+        sizes = tuple(source.shape)
+        offsets = tuple(data.draw(st.integers(0, s - 1)) for s in sizes)
+        lengths = tuple(data.draw(st.integers(1, s - o)) for s, o in zip(sizes, offsets))
+        part = Box(offsets, lengths)
+        dst = torch.zeros(lengths, dtype=source.dtype)
+        if data.draw(st.booleans()) and lengths:  # a strided destination (a view of a bigger tensor)
+            dst = torch.zeros((*lengths[:-1], lengths[-1] + 2), dtype=source.dtype)[..., 1:-1]
+        reads.append(Read("f.safetensors", key, part, dst, name=f"{key}{len(reads)}"))
+        want.append(source[part.slices()])
+    pool = direct_io.BufferPool()
+    with mock.patch.object(direct_io, "BLOCK_BYTES", block_pages * 4096), \
+            mock.patch.object(stream, "POOL", pool), _opened(tmp_path_factory.mktemp("s"), tensors) as f:
+        f.header()
+        assert all(stream.streamable(f, r) for r in reads)
+        ledger = Ledger()
+        ledger.expect(reads)
+        digest = stream.stream(f, reads, ledger, digest=True)
+        assert digest == f.digest()
+        for r, w in zip(reads, want):
+            assert torch.equal(r.dst, w), (r.key, r.src)
+            back = torch.empty(r.src.sizes, dtype=w.dtype)
+            f.read_box(r.key, r.src, back)
+            assert torch.equal(back, w)
+        assert ledger.done == ledger.need  # every element counted once
+        written = ledger.written(lambda name: True)
+        assert set(written.whole) == set(ledger.need) and not written.partly and not written.untouched
+        block = block_pages * 4096
+        ring = min(direct_io.DEPTH + 1, -(-f.size // block)) * direct_io.round_up(min(block, f.size), 4096)
+    assert pool.nbytes == ring  # the ring (no more blocks than the file has), back in the pool
+
+
 @distributed(world_size=2)
-def _loads_read_once(tmp: str) -> dict[str, Any]:
+def _loads_read_once(tmp: str, mode: str) -> dict[str, Any]:
     """Bytes read per data file by checkpoint.load at the saving world size, digests on."""
     model = C.shard(C.make_gpt(seed=0, n_blocks=2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -174,7 +265,7 @@ def _loads_read_once(tmp: str) -> dict[str, Any]:
         return got
 
     with mock.patch.object(os, "preadv", counted):
-        checkpoint.load(os.path.join(tmp, "ck"), fresh, fresh_opt)
+        checkpoint.load(os.path.join(tmp, "ck"), fresh, fresh_opt, mode=checkpoint.LoadMode(mode))
     C.assert_same(C.full_state(fresh), want_model, "model")
     C.assert_same(C.full_optim(fresh, fresh_opt), want_optim, "optimizer")
     C.train(fresh, fresh_opt, 1, 1)  # the loaded state (views of the file images) trains
@@ -183,10 +274,12 @@ def _loads_read_once(tmp: str) -> dict[str, Any]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names descriptors through /proc (Linux)")
-def test_load_reads_each_byte_of_its_files_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["staged", "in_place"])
+def test_load_reads_each_byte_of_its_files_once(tmp_path: Path, mode: str) -> None:
     """Its own files (its digest share): the header once (parsed before anything else), then every byte once
-    (the image); before, the digest pass read the file and the tensors were read again."""
-    for rank, out in enumerate(_loads_read_once(str(tmp_path))):
+    (staged: the image; in place: the stream); before, the digest pass read the file and the tensors were
+    read again."""
+    for rank, out in enumerate(_loads_read_once(str(tmp_path), mode)):
         own = {n: b for n, b in out["seen"].items() if n.endswith(f"-rank{rank:05d}.safetensors")}
         assert len(own) == 2, (rank, out)  # model and optimizer
         for name, got in own.items():

@@ -41,7 +41,7 @@ def _train_and_save(path: str) -> dict:
 @distributed(world_size=3)
 def _resume_w3(path: str) -> dict:
     model, opt = _fresh()
-    extra = checkpoint.load(path, model, opt)
+    extra = C.load_both(path, model, opt)
     assert extra["step"] == 3 and extra["sched"] == {"lr": (LR, 0.5)}, extra
     assert torch.equal(extra["rng"], torch.get_rng_state()) or extra["rng"].dtype == torch.uint8
     return {"losses": C.train(model, opt, 3, 3)}
@@ -50,7 +50,7 @@ def _resume_w3(path: str) -> dict:
 @distributed(world_size=1)
 def _resume_w1(path: str) -> dict:
     model, opt = _fresh()
-    checkpoint.load(path, model, opt)
+    C.load_both(path, model, opt)
     return {"losses": C.train(model, opt, 3, 3)}
 
 
@@ -58,7 +58,7 @@ def _resume_plain_here(path: str) -> list[float]:
     """In the pytest process itself: no process group at all, an unwrapped nn.Module."""
     assert not torch.distributed.is_initialized()
     model, opt = _fresh(sharded=False)
-    checkpoint.load(path, model, opt)
+    C.load_both(path, model, opt)
     return C.train(model, opt, 3, 3)
 
 
@@ -161,12 +161,12 @@ def _hsdp_round_trip(tmp: str) -> dict:
     truth, truth_opt = C.full_state(model), C.full_optim(model, opt)
     checkpoint.save(os.path.join(tmp, "hsdp"), model, opt, extra={"step": 2})
     flat, flat_opt = _fresh()  # 1-D mesh over the 4 ranks
-    assert checkpoint.load(os.path.join(tmp, "hsdp"), flat, flat_opt) == {"step": 2}
+    assert C.load_both(os.path.join(tmp, "hsdp"), flat, flat_opt) == {"step": 2}
     C.assert_same(C.full_state(flat), truth, "HSDP -> 1-D model")
     C.assert_same(C.full_optim(flat, flat_opt), truth_opt, "HSDP -> 1-D optimizer")
     checkpoint.save(os.path.join(tmp, "flat"), flat, flat_opt)
     back, back_opt = _fresh(mesh=hsdp)
-    checkpoint.load(os.path.join(tmp, "flat"), back, back_opt)
+    C.load_both(os.path.join(tmp, "flat"), back, back_opt)
     C.assert_same(C.full_state(back), truth, "1-D -> HSDP model")
     C.assert_same(C.full_optim(back, back_opt), truth_opt, "1-D -> HSDP optimizer")
     losses = [C.train(m, o, 2, 2) for m, o in ((model, opt), (flat, flat_opt), (back, back_opt))]
@@ -214,7 +214,7 @@ def _left_unsharded(tmp: str) -> None:
     fresh, fresh_opt = build(5)
     with torch.no_grad():
         fresh(torch.zeros(2, 16, dtype=torch.long))
-    checkpoint.load(os.path.join(tmp, "c"), fresh, fresh_opt)
+    C.load_both(os.path.join(tmp, "c"), fresh, fresh_opt)
     C.assert_same(C.full_state(fresh), truth, "model")
     C.assert_same(C.full_optim(fresh, fresh_opt), truth_opt, "optimizer")
     index = json.loads(Path(tmp, "c", "index.json").read_text())
