@@ -10,7 +10,6 @@ tests/checkpoint/test_multidim.py against DTensor's own local shapes and offsets
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -58,13 +57,13 @@ class Box:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
 
-    @functools.cached_property
+    @property  # not functools.cached_property: before Python 3.12 it takes a lock on every access
     def numel(self) -> int:
         return math.prod(self.sizes)
 
-    @functools.cached_property
+    @property
     def ends(self) -> tuple[int, ...]:
-        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
+        return tuple([o + s for o, s in zip(self.offsets, self.sizes)])
 
     def slices(self, origin: Box | None = None) -> tuple[slice, ...]:
         """Index this box in a tensor whose element [0, ...] is global ``origin.offsets`` (default: 0)."""
@@ -76,11 +75,14 @@ class Box:
 
     def intersect(self, other: Box) -> Box | None:
         """The common part, or None when it has no element."""
-        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
-        hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends))
-        if any(h <= low for low, h in zip(lo, hi)):
-            return None
-        return Box(lo, tuple(h - low for low, h in zip(lo, hi)))
+        lo, sizes = [], []
+        for a, s, b, t in zip(self.offsets, self.sizes, other.offsets, other.sizes):
+            start, end = max(a, b), min(a + s, b + t)
+            if end <= start:
+                return None
+            lo.append(start)
+            sizes.append(end - start)
+        return Box(tuple(lo), tuple(sizes))
 
     def to_json(self) -> dict[str, list[int]]:
         return {"offsets": list(self.offsets), "sizes": list(self.sizes)}

@@ -123,6 +123,7 @@ class Loader:
         self.verified: set[str] = set()  # files whose digest passed on this rank
         self.ledger = Ledger()  # what the writes of phase 3 have written into the user's tensors
         self.verify = True  # digests are checked (by the rank whose share a file is)
+        self.optimizer_loaded = False  # step 4 done on this rank
 
     @property
     def where(self) -> str:
@@ -137,8 +138,8 @@ class Loader:
         parts = overlaps(entry.chunks, held)
         whole = take is not None and len(parts) == 1 and parts[0][0].box == held and dst.device.type == "cpu"
         for chunk, part in parts:
-            reads.append(Read(chunk.file, chunk.key, part.relative_to(chunk.box), dst[part.slices(held)],
-                              take if whole else None, name))
+            reads.append(Read(chunk.file, chunk.key, part.relative_to(chunk.box),
+                              dst if part == held else dst[part.slices(held)], take if whole else None, name))
 
     def plan_model(self, model: nn.Module, strict: bool) -> None:
         views, aliases = model_views(model)
@@ -170,6 +171,7 @@ class Loader:
                                       "as it is")
             return
         params = {fqn: p for g in optimizer_params(model, optimizer) for fqn, p in g}
+        held_boxes: dict[tuple[int, tuple[int, ...]], Box] = {}  # (id(param), shape) -> this rank's box
         for fqn, names in saved.state.items():
             p = params.get(fqn)
             if p is None:
@@ -181,7 +183,10 @@ class Loader:
                 sharded = state_is_sharded(p, name, value.shape, (fqn, name) in saved.sharded, existing.get(name))
                 key = fmt.optim_name(fqn, name)
                 if sharded and isinstance(p, DTensor) and value.shape:
-                    held, device = box_of(key, p, value.shape), p.to_local().device
+                    held = held_boxes.get((id(p), value.shape))
+                    if held is None:
+                        held = held_boxes[(id(p), value.shape)] = box_of(key, p, value.shape)
+                    device = p.device  # a DTensor's device is its local tensor's
                 else:
                     held, device = full_box(value.shape), torch.device("cpu")
                 dtype = ST_TO_TORCH[value.dtype]
@@ -322,6 +327,12 @@ class Loader:
                 except Exception as e:
                     raise CheckpointError(f"{f.where}: reading failed ({type(e).__name__}: {e})") from e
 
+    def load_optimizer(self, optimizer: torch.optim.Optimizer | None, prepared: dict[str, Any]) -> None:
+        """Step 4: ``Optimizer.load_state_dict`` of the state dict checked in step 2."""
+        assert optimizer is not None
+        optimizer.load_state_dict(prepared)
+        self.optimizer_loaded = True
+
     def partial(self, error: CheckpointError, *, optimizer: bool) -> PartialLoadError:
         """``error`` (the phase's common verdict) with what this rank's tensors now hold (the ledger)."""
         staged = self.mode is LoadMode.STAGED
@@ -338,8 +349,11 @@ class Loader:
                                   "failed, was not checked yet, or is checked by another rank)", w.unverified)):
                 if names:
                     lines.append(f"    {label}: {len(names)}: {_names(names)}")
-            lines.append("    not loaded: the optimizer's param_groups and step counts held outside these tensors, "
-                         "and `extra`" if optimizer else "    `extra` was not returned")
+            if self.optimizer_loaded:
+                lines.append("    the optimizer's state dict was loaded on this rank; `extra` was not returned")
+            else:
+                lines.append("    not loaded: the optimizer's param_groups and step counts held outside these "
+                             "tensors, and `extra`" if optimizer else "    `extra` was not returned")
         lines.append("  fix: load a checkpoint into this model again before training on (this one once its files "
                      "are restored, or an earlier one); LoadMode.STAGED changes nothing when content is bad")
         return PartialLoadError("\n".join(lines), rank=self.comm.rank, whole=w.whole, partly=w.partly,
@@ -463,15 +477,18 @@ def load(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.
                 prepared = torch_optimizer_state(model, optimizer, loader.optimizer_state_dict(), strict,
                                                  loader.index.optimizer.sharded, copy=False)
             result = loader.extra()
-        writing = ("copying the model and optimizer state (after every check passed: only an I/O error can fail "
-                   "here)" if mode is LoadMode.STAGED else
+        staged = mode is LoadMode.STAGED
+        writing = ("copying the model and optimizer state and loading the optimizer (after every check passed: only "
+                   "an I/O error can fail here)" if staged else
                    "reading the model and optimizer state in place, verifying each file as it is read")
         try:
             with comm.phase(f"{what}: {writing}"):
                 loader.write(loader.model_reads + loader.optim_reads)
-            if prepared is not None:
+                if staged and prepared is not None:  # every digest passed in the phase before
+                    loader.load_optimizer(optimizer, prepared)
+            if not staged and prepared is not None:  # only once every rank's digests passed
                 with comm.phase(f"{what}: loading the optimizer state"):
-                    optimizer.load_state_dict(prepared)  # type: ignore[union-attr]  # prepared implies optimizer
+                    loader.load_optimizer(optimizer, prepared)
         except CheckpointError as e:
             raise loader.partial(e, optimizer=optimizer is not None) from e
     finally:
