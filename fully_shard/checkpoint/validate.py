@@ -96,12 +96,34 @@ def loads_strict(raw: bytes, source: str, *, max_depth: int = MAX_JSON_DEPTH,
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise fail(f"byte {e.start}", f"not valid UTF-8 ({e.reason})") from None
+    suspect: list[bool] = []  # set by the parser's hooks: a duplicate key, or a number that is not finite
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = _pairs(items)
+        if type(out) is _Duplicates:
+            suspect.append(True)
+        return out
+
+    def constant(name: str) -> _NonFinite:
+        suspect.append(True)
+        return _NonFinite(name)
+
+    def number(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            suspect.append(True)
+        return value
+
     try:
-        doc = json.loads(text, object_pairs_hook=_pairs, parse_constant=_NonFinite)
+        doc = json.loads(text, object_pairs_hook=pairs, parse_constant=constant, parse_float=number)
     except RecursionError:
         raise fail("top level", f"nesting far deeper than the {max_depth} levels allowed") from None
     except ValueError as e:
         raise fail("JSON", f"not valid JSON ({e})") from None
+    if not suspect and len(text) <= max_string and _depth_below(doc, max_depth):
+        return doc  # nothing the walk below could report (no string is longer than the whole text)
+    # Something to report: walk again, naming where.
+
     def at(trail: _Trail) -> str:
         path = _path(trail)
         return (path if len(path) <= 120 else path[:117] + "...") or "top level"
@@ -133,6 +155,19 @@ def loads_strict(raw: bytes, source: str, *, max_depth: int = MAX_JSON_DEPTH,
             elif type(v) is not int:
                 check(v, (trail, k))
     return doc
+
+
+def _depth_below(doc: Any, max_depth: int) -> bool:
+    """Whether no object or array of ``doc`` is nested ``max_depth`` deep (the top level is depth 0)."""
+    stack = [(doc, 0)] if isinstance(doc, (dict, list)) else []
+    while stack:
+        value, depth = stack.pop()
+        if depth >= max_depth:
+            return False
+        for v in value.values() if isinstance(value, dict) else value:
+            if isinstance(v, (dict, list)):
+                stack.append((v, depth + 1))
+    return True
 
 
 _Trail = tuple[Any, str | int] | None  # (the parent's trail, this key or index); None: the top level
