@@ -21,6 +21,7 @@ import fcntl
 import mmap
 import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -112,7 +113,8 @@ def _read_exact(fd: int, view: memoryview, offset: int, short: Callable[[str], E
         done += got
 
 
-def as_tensor(buf: mmap.mmap, start: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def as_tensor(buf: mmap.mmap | memoryview, start: int, nbytes: int, dtype: torch.dtype,
+              shape: tuple[int, ...]) -> torch.Tensor:
     """Bytes [start, start + nbytes) of ``buf`` as a tensor of ``dtype`` and ``shape`` (no copy)."""
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
@@ -197,21 +199,26 @@ class BufferPool:
 
     First touch of fresh memory (the kernel zeroing and mapping each page) costs about as much as
     reading the bytes from a fast disk (benchmarks/README.md, checkpoint section). A load takes its
-    buffers (a staged load's file images, an in-place load's ring of blocks) with ``take`` and gives
-    them back with ``give``, which marks their pages
-    ``MADV_FREE``: the kernel reclaims them whenever it needs memory (the pages then come back zeroed,
-    which a read overwrites anyway), and until then the next load reuses them without a fault.
-    ``settle`` at the end of a load unmaps what that load did not use, so the pool holds at most what
-    the last load needed."""
+    buffers (a staged load's file images, an in-place load's ring of blocks) with ``take``. A buffer
+    no tensor uses any more goes back with ``give``; one whose tensors live on (optimizer state that
+    is a view of a file image) is ``lend``-ed with the memoryview those tensors were made from, and
+    comes back by itself once the last of them is gone (a weak reference to that memoryview says so;
+    the memoryview's export also keeps the mapping from being unmapped under them). Free buffers are
+    marked ``MADV_FREE``: the kernel reclaims their pages whenever it needs memory (they then come
+    back zeroed, which a read overwrites anyway), and until then the next load reuses them without a
+    fault. ``settle`` at the end of a load unmaps the free buffers that load did not use, so the pool
+    holds what the last load needed (and what the optimizer's state still uses)."""
 
     def __init__(self) -> None:
         self._free: list[mmap.mmap] = []
-        self._used: set[int] = set()  # id() of buffers taken since the last settle
+        self._lent: list[tuple[mmap.mmap, weakref.ref[memoryview]]] = []
+        self._used: set[int] = set()  # id() of buffers taken, or come back, since the last settle
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> mmap.mmap:
         """A buffer of at least ``nbytes`` (rounded up to a page): the smallest free one that fits, else a new one."""
         with self._lock:
+            self._reclaim()
             fits = [b for b in self._free if len(b) >= nbytes]
             buf = min(fits, key=len) if fits else None
             if buf is not None:
@@ -223,33 +230,54 @@ class BufferPool:
         return buf
 
     def give(self, buf: mmap.mmap) -> None:
-        """Back to the pool; its pages become reclaimable (no view of ``buf`` may outlive this call's caller)."""
-        free = getattr(mmap, "MADV_FREE", None)
-        if free is not None:
-            buf.madvise(free)
+        """Back to the pool now: no tensor of ``buf`` may be used after this call."""
+        _reclaimable(buf)
         with self._lock:
             self._free.append(buf)
 
-    def settle(self) -> None:
-        """Unmap the free buffers that no ``take`` used since the last settle."""
+    def lend(self, buf: mmap.mmap, view: memoryview) -> None:
+        """Back to the pool once every tensor made from ``view`` (a memoryview of ``buf``) is gone."""
         with self._lock:
+            self._lent.append((buf, weakref.ref(view)))
+
+    def _reclaim(self) -> None:
+        """(Under the lock.) Lent buffers whose tensors are all gone become free."""
+        back = [b for b, view in self._lent if view() is None]
+        if back:
+            self._lent = [(b, view) for b, view in self._lent if view() is not None]
+            for b in back:
+                _reclaimable(b)
+                self._free.append(b)
+                self._used.add(id(b))
+
+    def settle(self) -> None:
+        """Unmap the free buffers that no ``take`` used since the last settle (and that did not just come back)."""
+        with self._lock:
+            self._reclaim()
             stale = [b for b in self._free if id(b) not in self._used]
             self._free = [b for b in self._free if id(b) in self._used]
             self._used.clear()
         _close(stale)
 
     def clear(self) -> None:
-        """Unmap every free buffer (the next load starts from fresh memory)."""
+        """Unmap every free buffer and forget the lent ones (the next load starts from fresh memory)."""
         with self._lock:
-            stale, self._free = self._free, []
+            stale, self._free, self._lent = self._free, [], []
             self._used.clear()
         _close(stale)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by free buffers."""
+        """Bytes held by free buffers (lent ones that came back included)."""
         with self._lock:
+            self._reclaim()
             return sum(len(b) for b in self._free)
+
+
+def _reclaimable(buf: mmap.mmap) -> None:
+    free = getattr(mmap, "MADV_FREE", None)
+    if free is not None:
+        buf.madvise(free)
 
 
 def _close(buffers: list[mmap.mmap]) -> None:

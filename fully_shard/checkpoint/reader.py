@@ -191,6 +191,8 @@ class Loader:
                     held, device = full_box(value.shape), torch.device("cpu")
                 dtype = ST_TO_TORCH[value.dtype]
                 mine = _reusable(existing.get(name), p, sharded and isinstance(p, DTensor), dtype, value.shape, held)
+                if mine is not None and self.mode is LoadMode.STAGED and mine.device.type == "cpu":
+                    mine = None  # staged: a view of the file's image instead of a copy (image.py)
                 if mine is not None:  # read into the optimizer's own tensor in phase 3, as the model
                     self.optim_locals[(fqn, name)] = _OptimLocal(mine, p, sharded, value.shape, existing[name])
                     self.add(self.optim_reads, value, held, mine, name=key)
@@ -245,11 +247,10 @@ class Loader:
         stored = self.snap.stored_by_file()
         used = {r.file for r in reads}
         fresh = {r.file for r in self.side_reads}  # read from now, into fresh memory
-        views = {r.file for r in self.side_reads if r.take is not None}
         for name in sorted(self.snap.files):
             self.snap.check(name, stored[name])
             if name in self.whole and (name in fresh or (name in used and self.mode is LoadMode.STAGED)):
-                image = FileImage(self.snap.files[name], digest=name in self.digests, pooled=name not in views)
+                image = FileImage(self.snap.files[name], digest=name in self.digests)
                 if image.digest is not None:
                     self._verify(name, image.digest)
                 if name in used:
@@ -352,8 +353,9 @@ class Loader:
             if self.optimizer_loaded:
                 lines.append("    the optimizer's state dict was loaded on this rank; `extra` was not returned")
             else:
-                lines.append("    not loaded: the optimizer's param_groups and step counts held outside these "
-                             "tensors, and `extra`" if optimizer else "    `extra` was not returned")
+                lines.append("    not loaded: the optimizer's state dict beyond the tensors listed (its param_groups, "
+                             "and the state this load does not write in place), and `extra`" if optimizer else
+                             "    `extra` was not returned")
         lines.append("  fix: load a checkpoint into this model again before training on (this one once its files "
                      "are restored, or an earlier one); LoadMode.STAGED changes nothing when content is bad")
         return PartialLoadError("\n".join(lines), rank=self.comm.rank, whole=w.whole, partly=w.partly,

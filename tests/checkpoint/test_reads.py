@@ -157,34 +157,43 @@ def test_file_image_finishes_buffered_after_a_refused_direct_read(tmp_path: Path
 
 
 def test_pooled_image_reuses_its_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A pooled image goes back to the pool (MADV_FREE) and the next one of its size reads into the same mapping;
-    settle() unmaps what the last load did not use."""
-    monkeypatch.setattr(direct_io, "POOL", direct_io.BufferPool())
-    monkeypatch.setattr(image, "POOL", direct_io.POOL)
+    """An image's buffer goes back to the pool when no tensor of it is left (at once, or when kept views die),
+    and the next image of its size reads into the same mapping; settle() unmaps what the last load did not use."""
+    pool = direct_io.BufferPool()
+    monkeypatch.setattr(image, "POOL", pool)
     monkeypatch.setattr(direct_io, "BLOCK_BYTES", 2 * 4096)
     first = {"a": torch.randn(3000)}
     second = {"a": torch.randn(3000) + 5}  # same size, other bytes
-    with _opened(tmp_path, first) as f:
-        f.header()
-        img = image.FileImage(f, digest=True, pooled=True)
-        assert img.digest == f.digest() and torch.equal(img.tensor("a"), first["a"])
-        mapping = img.map
-        with pytest.raises(AssertionError, match="pooled"):
-            img.keep("a")
-        img.release()
-    assert direct_io.POOL.nbytes == len(mapping)  # type: ignore[arg-type]
     other = tmp_path / "other"
     other.mkdir()
-    with _opened(other, second) as f:
+    with _opened(tmp_path, first) as f, _opened(other, second) as g:
         f.header()
-        img = image.FileImage(f, digest=True, pooled=True)
-        assert img.map is mapping  # the same memory, already mapped
-        assert img.digest == f.digest() and torch.equal(img.tensor("a"), second["a"])
+        g.header()
+        img = image.FileImage(f, digest=True)
+        assert img.digest == f.digest() and torch.equal(img.tensor("a"), first["a"])
+        mapping = img.map
         img.release()
-    direct_io.POOL.settle()  # used since the last settle: kept
-    assert direct_io.POOL.nbytes == len(mapping)  # type: ignore[arg-type]
-    direct_io.POOL.settle()  # not used since: unmapped
-    assert direct_io.POOL.nbytes == 0
+        assert pool.nbytes == len(mapping)  # type: ignore[arg-type]  # no tensor left: back at once
+        img = image.FileImage(g, digest=True)
+        assert img.map is mapping  # the same memory, already mapped
+        assert img.digest == g.digest() and torch.equal(img.tensor("a"), second["a"])
+        kept = img.keep("a")  # optimizer state that is a view of the image
+        img.release()
+        assert pool.nbytes == 0  # lent while the view lives
+        with pytest.raises(BufferError):
+            mapping.close()  # type: ignore[union-attr]  # and never unmapped under it
+        assert torch.equal(kept, second["a"])
+        pool.settle()
+        assert torch.equal(kept, second["a"]) and pool.nbytes == 0
+        fresh = image.FileImage(f, digest=True)  # needs another buffer meanwhile
+        assert fresh.map is not mapping
+        fresh.release()
+        del kept  # the optimizer dropped that state
+        assert pool.nbytes == 2 * len(mapping)  # type: ignore[arg-type]
+    pool.settle()  # both came back or were used since the last settle: kept
+    assert pool.nbytes == 2 * len(mapping)  # type: ignore[arg-type]
+    pool.settle()  # not used since: unmapped
+    assert pool.nbytes == 0
 
 
 def test_flat_boxes_tile_a_flat_range() -> None:
