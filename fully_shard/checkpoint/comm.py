@@ -90,9 +90,11 @@ class Comm:
     def _seconds(self) -> str:
         return f"the timeout of {self.timeout.total_seconds():g} s"
 
-    def _wait(self, work: Any, deadline: float, what: str, problem: str) -> None:
+    def _wait(self, issue: Callable[[], Any], deadline: float, what: str, problem: str) -> None:
+        """Issue a collective (``issue()`` returns its work) and wait for it until ``deadline``; either failing
+        (a peer that timed out closes its connections: the next send to it fails at once) is a CheckpointError."""
         try:
-            work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), _MIN_WAIT_S)))
+            issue().wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), _MIN_WAIT_S)))
         except Exception as e:
             _forget_group()  # a timed-out gloo group is unusable; a later call makes a new one
             raise CheckpointError(f"{what}: {problem} within {self._seconds} ({_first_line(e)}); fix: every rank "
@@ -107,10 +109,10 @@ class Comm:
         head[:8] = len(data).to_bytes(8, "little")
         head[8: 8 + len(data)] = data[: _MESSAGE_BYTES - 8]
         problem = f"rank {dst} did not arrive (it did not take this rank's report)"
-        self._wait(dist.isend(torch.frombuffer(head, dtype=torch.uint8), dst, group), deadline, what, problem)
+        self._wait(lambda: dist.isend(torch.frombuffer(head, dtype=torch.uint8), dst, group), deadline, what, problem)
         if len(data) > _MESSAGE_BYTES - 8:
             rest = torch.frombuffer(bytearray(data[_MESSAGE_BYTES - 8:]), dtype=torch.uint8)
-            self._wait(dist.isend(rest, dst, group), deadline, what, problem)
+            self._wait(lambda: dist.isend(rest, dst, group), deadline, what, problem)
 
     def _recv_rest(self, head: torch.Tensor, src: int, deadline: float, what: str, problem: str) -> Any:
         raw = bytes(head.numpy())
@@ -118,13 +120,13 @@ class Comm:
         data = raw[8: 8 + min(size, _MESSAGE_BYTES - 8)]
         if size > _MESSAGE_BYTES - 8:
             rest = torch.empty(size - (_MESSAGE_BYTES - 8), dtype=torch.uint8)
-            self._wait(dist.irecv(rest, src, self._group(what)), deadline, what, problem)
+            self._wait(lambda: dist.irecv(rest, src, self._group(what)), deadline, what, problem)
             data += bytes(rest.numpy())
         return json.loads(data)
 
     def _recv(self, src: int, deadline: float, what: str, problem: str) -> Any:
         head = torch.empty(_MESSAGE_BYTES, dtype=torch.uint8)
-        self._wait(dist.irecv(head, src, self._group(what)), deadline, what, problem)
+        self._wait(lambda: dist.irecv(head, src, self._group(what)), deadline, what, problem)
         return self._recv_rest(head, src, deadline, what, problem)
 
     # ------------------------------------------------------------------------------------------------
@@ -183,9 +185,14 @@ class Comm:
         group = self._group(what)
         deadline = time.monotonic() + self.timeout.total_seconds()
         heads = {r: torch.empty(_MESSAGE_BYTES, dtype=torch.uint8) for r in range(1, self.world)}
-        posted: dict[int, Any] = {r: dist.irecv(head, r, group) for r, head in heads.items()}
-        reports: dict[int, Any] = {0: mine}
+        posted: dict[int, Any] = {}
         missing = []
+        for r, head in heads.items():
+            try:
+                posted[r] = dist.irecv(head, r, group)
+            except Exception:  # its connection is gone (it timed out in an earlier phase, or died)
+                missing.append(r)
+        reports: dict[int, Any] = {0: mine}
         for r, work in posted.items():
             try:
                 work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), _MIN_WAIT_S)))
@@ -239,13 +246,15 @@ class Comm:
         deadline = time.monotonic() + self.timeout.total_seconds()
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.zeros_like(size) for _ in range(self.world)]
-        self._wait(dist.all_gather(sizes, size, group=group, async_op=True), deadline, what, "the ranks did not meet")
+        self._wait(lambda: dist.all_gather(sizes, size, group=group, async_op=True), deadline, what,
+                   "the ranks did not meet")
         longest = max(int(s.item()) for s in sizes)
         buf = torch.zeros(longest, dtype=torch.uint8)
         if data:
             buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         out = [torch.empty_like(buf) for _ in range(self.world)]
-        self._wait(dist.all_gather(out, buf, group=group, async_op=True), deadline, what, "the ranks did not meet")
+        self._wait(lambda: dist.all_gather(out, buf, group=group, async_op=True), deadline, what,
+                   "the ranks did not meet")
         return [json.loads(bytes(o[: int(s.item())].numpy())) for o, s in zip(out, sizes)]
 
     def broadcast_json(self, obj: Any, src: int = 0, what: str = "checkpoint") -> Any:
@@ -255,11 +264,13 @@ class Comm:
         deadline = time.monotonic() + self.timeout.total_seconds()
         data = json.dumps(obj, allow_nan=False).encode() if self.rank == src else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        self._wait(dist.broadcast(size, src, group=group, async_op=True), deadline, what, "the ranks did not meet")
+        self._wait(lambda: dist.broadcast(size, src, group=group, async_op=True), deadline, what,
+                   "the ranks did not meet")
         buf = torch.zeros(int(size.item()), dtype=torch.uint8)
         if self.rank == src and data:
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        self._wait(dist.broadcast(buf, src, group=group, async_op=True), deadline, what, "the ranks did not meet")
+        self._wait(lambda: dist.broadcast(buf, src, group=group, async_op=True), deadline, what,
+                   "the ranks did not meet")
         return json.loads(bytes(buf.numpy()))
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> None:

@@ -14,8 +14,13 @@ test_fuzz).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import datetime
+import multiprocessing as mp
 import os
 import shutil
+import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fully_shard import checkpoint, fully_shard
 from fully_shard.checkpoint import LoadMode, PartialLoadError, direct, reader
 from tests.checkpoint import common as C
-from tests.distributed.harness import distributed
+from tests.distributed.harness import _free_port, distributed
 
 STAGED, IN_PLACE = LoadMode.STAGED, LoadMode.IN_PLACE
 
@@ -326,3 +331,188 @@ def test_mode_argument() -> None:
     with pytest.raises(ValueError, match="is not a LoadMode"):
         checkpoint.load("/nonexistent", model, mode="fast")
     assert reader._mode("in_place") is IN_PLACE and reader._mode(STAGED) is STAGED
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Staged: a failed load changes nothing, also when the optimizer's state is a view of a pooled image
+# ---------------------------------------------------------------------------------------------------------
+
+BAD_STAGED: dict[str, Any] = {  # name -> damage to a copy of checkpoint A
+    "flipped data byte in rank 0's optimizer file": lambda d: _flip(os.path.join(d, O0),
+                                                                    _data_middle(os.path.join(d, O0))),
+    "flipped data byte in rank 1's model file": lambda d: _flip(os.path.join(d, M1), _data_middle(os.path.join(d, M1))),
+    "truncated optimizer file": lambda d: os.truncate(os.path.join(d, O0), os.path.getsize(os.path.join(d, O0)) - 9),
+    "missing model file": lambda d: os.remove(os.path.join(d, M1)),
+}
+
+
+def _in_lent_images(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's state tensors whose bytes lie in a buffer the pool has lent (a file image's views)."""
+    spans = []
+    for buf, _ in direct.POOL._lent:
+        c = ctypes.c_char.from_buffer(buf)
+        spans.append((ctypes.addressof(c), ctypes.addressof(c) + len(buf)))
+        del c
+    locals_ = [v.to_local() if isinstance(v, DTensor) else v for s in opt.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor)]
+    return [t for t in locals_ if any(lo <= t.data_ptr() < hi for lo, hi in spans)]
+
+
+@distributed(world_size=2, timeout=300)
+def _staged_failures(tmp: str) -> dict[str, Any]:
+    """Staged loads of two checkpoints (A, B) in turn, each followed by a damaged copy of A: after each good load
+    the CPU optimizer state is a view of a pooled file image, which the next load's images must not reuse; the
+    damaged load must fail on both ranks before writing and leave every byte as the good load left it."""
+    rank = dist.get_rank()
+    a, b = os.path.join(tmp, "a"), os.path.join(tmp, "b")
+    model = C.shard(C.make_gpt(seed=0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    C.train(model, opt, 0, 2)
+    checkpoint.save(a, model, opt, extra={"step": 2})
+    truth = {a: C.local_bytes(model, opt)}
+    C.train(model, opt, 2, 1)
+    opt.param_groups[0]["lr"] = 3e-3
+    checkpoint.save(b, model, opt, extra={"step": 3})
+    truth[b] = C.local_bytes(model, opt)
+    assert all(truth[a][k] != truth[b][k] for k in truth[a] if k != "calib" and not _single(k)), "A and B must differ"
+    for i, damage in enumerate(BAD_STAGED.values()):
+        if rank == 0:
+            shutil.copytree(a, os.path.join(tmp, f"bad-{i}"))
+            damage(os.path.join(tmp, f"bad-{i}"))
+    dist.barrier()
+    target, target_opt = _target()
+    direct.POOL.clear()
+    seen: dict[str, list[str]] = {}
+    views = 0
+    for good in (a, b, a, b):
+        assert checkpoint.load(good, target, target_opt)["step"] == (2 if good == a else 3)
+        assert C.local_bytes(target, target_opt) == truth[good], good
+        views += len(_in_lent_images(target_opt))
+        for i, name in enumerate(BAD_STAGED):
+            error = None
+            try:
+                checkpoint.load(os.path.join(tmp, f"bad-{i}"), target, target_opt)
+            except checkpoint.CheckpointError as e:
+                error = e
+            assert error is not None and not isinstance(error, PartialLoadError), f"{name}: {error!r}"
+            seen.setdefault(name, []).append(str(error).split("\n")[0])
+            got = C.local_bytes(target, target_opt)
+            assert got == truth[good], f"{name} after {good}: changed {[k for k in got if got[k] != truth[good][k]]}"
+    assert views, "the optimizer's state never was a view of a file image: this test tests nothing"
+    C.train(target, target_opt, 3, 1)  # and it trains on
+    return seen
+
+
+def test_staged_failures_change_nothing(tmp_path: Path) -> None:
+    per_rank = _staged_failures(str(tmp_path))
+    for name, messages in per_rank[0].items():
+        assert messages == per_rank[1][name], (name, messages, per_rank[1][name])
+        assert all(f"bad-{list(BAD_STAGED).index(name)}" in m for m in messages), messages
+
+
+# ---------------------------------------------------------------------------------------------------------
+# In place, a rank that stalls or dies mid-load: every rank that is alive says what it overwrote, in bounded time
+# ---------------------------------------------------------------------------------------------------------
+
+TIMEOUT = 2.0
+STALL = 3 * TIMEOUT  # rank 1's stall in the middle of its model file: longer than rank 0 waits for its report
+CTX = mp.get_context("fork")
+
+
+def _stalling_rank(rank: int, port: int, tmp: str, how: str, conn: Any, done: Any) -> None:
+    """One rank of a fresh 2-rank job: save, then load in place, rank 1 stalling (or dying) after its model file's
+    first 16 KiB block was copied into the model; reports (error text, lists, seconds, bytes check)."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    good = os.path.join(tmp, "good")
+    model = C.shard(C.make_gpt(seed=0, n_blocks=1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    C.train(model, opt, 0, 1)
+    checkpoint.save(good, model, opt)
+    stored = C.local_bytes(model, opt)
+    target = C.shard(C.make_gpt(seed=5, n_blocks=1))
+    target_opt = torch.optim.AdamW(target.parameters(), lr=0.5)
+    C.train(target, target_opt, 3, 1)
+    before = C.local_bytes(target, target_opt)
+    real_read, real_write = direct.read_block, reader.Loader.write
+    writing = [False]
+
+    def write(self: reader.Loader, reads: list[Any]) -> None:
+        writing[0] = True
+        real_write(self, reads)
+
+    def read_block(fd: int, buf: memoryview, start: int, end: int, *a: Any) -> bool:
+        if writing[0] and rank == 1 and start == 16 << 10 and os.readlink(f"/proc/self/fd/{fd}").endswith(M1):
+            time.sleep(0.3)  # the first block is copied meanwhile
+            if how == "dies":
+                os._exit(3)
+            time.sleep(STALL)
+        return bool(real_read(fd, buf, start, end, *a))
+
+    dist.barrier()
+    start = time.monotonic()
+    error: Exception | None = None
+    with mock.patch.object(reader.Loader, "write", write), mock.patch.object(direct, "read_block", read_block), \
+            mock.patch.object(direct, "BLOCK_BYTES", 16 << 10):
+        try:
+            checkpoint.load(good, target, target_opt, mode=IN_PLACE, timeout=TIMEOUT)
+        except Exception as e:
+            error = e
+            trace = traceback.format_exc()
+    elapsed = time.monotonic() - start
+    now = C.local_bytes(target, target_opt)
+    out: dict[str, Any] = {"elapsed": elapsed, "type": type(error).__name__, "message": str(error),
+                           "trace": trace if error is not None else ""}
+    if isinstance(error, PartialLoadError):
+        out.update(whole=list(error.whole), partly=list(error.partly), untouched=list(error.untouched),
+                   unverified=list(error.unverified))
+        out["wrong"] = ([k for k in error.whole if now[k] != stored[k]] + [k for k in error.untouched
+                                                                           if now[k] != before[k]])
+        out["optimizer as before"] = now["param_groups"] == before["param_groups"]
+    conn.send(out)
+    done.wait(STALL + 4 * TIMEOUT + 10)  # rank 0 stays up until rank 1 has reported (or died)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("how", ["stalls", "dies"])
+def test_a_rank_that_stalls_or_dies_mid_load_in_place(tmp_path: Path, how: str) -> None:
+    port = _free_port()
+    done = CTX.Event()
+    pipes, procs = [], []
+    for rank in range(2):
+        parent, child = CTX.Pipe()
+        proc = CTX.Process(target=_stalling_rank, args=(rank, port, str(tmp_path), how, child, done))
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    try:
+        assert pipes[0].poll(120), "rank 0 hung"
+        r0 = pipes[0].recv()
+        r1 = pipes[1].recv() if how == "stalls" and pipes[1].poll(STALL + 4 * TIMEOUT + 30) else None
+    finally:
+        done.set()
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+    print(f"\n{how}: rank 0 after {r0['elapsed']:.1f} s: {r0['message'].splitlines()[0][:160]}"
+          + (f"\nrank 1 after {r1['elapsed']:.1f} s: {r1['message'].splitlines()[0][:160]}" if r1 else ""))
+    # Rank 0 wrote everything it loads, verified its files, then waited at most the timeout for rank 1's report.
+    assert r0["type"] == "PartialLoadError", r0
+    assert r0["elapsed"] < TIMEOUT + 10, r0["elapsed"]
+    assert "rank(s) 1 did not arrive within the timeout" in r0["message"] or "rank 1 did not" in r0["message"], r0
+    assert "on rank 0 this load had written into" in r0["message"] and "fix" in r0["message"], r0["message"]
+    assert r0["whole"] and not r0["partly"] and not r0["untouched"] and not r0["wrong"], r0
+    assert all(_single(n) for n in r0["unverified"]), r0  # only what came from rank 1's files, which rank 1 hashes
+    assert r0["optimizer as before"], "the optimizer's state dict was loaded before every rank's digests passed"
+    assert procs[1].exitcode == (0 if how == "stalls" else 3), procs[1].exitcode
+    if how == "dies":
+        return
+    # Rank 1 finished its reads after the stall and found rank 0 gone from the phase: its own report, bounded.
+    assert r1 is not None, "rank 1 did not report"
+    assert r1["type"] == "PartialLoadError", r1["trace"]
+    assert r1["elapsed"] < STALL + 2 * TIMEOUT + 10, r1["elapsed"]
+    assert "rank 0 did not" in r1["message"] and "on rank 1 this load had written into" in r1["message"], r1
+    assert r1["whole"] and not r1["wrong"] and r1["optimizer as before"], r1
