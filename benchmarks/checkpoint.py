@@ -12,7 +12,8 @@ every way of loading it back into the same model and optimizer, with the page ca
 
 * DCP: ``dcp.load`` with ``FileSystemReader`` into the model's and optimizer's state dicts;
 * staged: ``checkpoint.load`` (``LoadMode.STAGED``, the default: every digest checked before anything
-  is written), its buffer pool warm from the round's earlier loads, as for repeated loads in one process;
+  is written) right after an untimed staged load, as in a series of loads in one process (its buffer
+  pool holds the memory the previous load used and the optimizer's state gave back);
 * staged, empty pool: the same after ``direct.POOL.clear()``, as the first load of a process;
 * in place: ``checkpoint.load(..., mode=LoadMode.IN_PLACE)``, digests checked as the bytes arrive;
 * two floors (``ReadFloor``): the rank's own files read cold with O_DIRECT, 8 MiB blocks, 4 in flight,
@@ -24,7 +25,9 @@ every way of loading it back into the same model and optimizer, with the page ca
 The same run measures the disk's raw speed (every rank writes, fsyncs, then reads back as many bytes
 as it checkpoints). Prints every round (the load average at its start, each load's time, in place /
 DCP, staged / staged floor, save ours / DCP, the order), the worst round of each ratio, medians, GB/s
-of checkpoint bytes, and the share of our save spent hashing.
+of checkpoint bytes, the CPU seconds each load costs (every thread of both ranks: the work done,
+which the other jobs on a shared machine change less than the wall time), and the share of our save
+spent hashing.
 """
 
 from __future__ import annotations
@@ -209,7 +212,7 @@ def main() -> None:
         return {"model": model.state_dict(), "optim": checkpoint.get_optimizer_state_dict(model, opt)}
 
     results: dict[str, list[float]] = {k: [] for k in (
-        "ours_save", "dcp_save", "raw_write", "raw_read", "hash", "loadavg", *LOADS)}
+        "ours_save", "dcp_save", "raw_write", "raw_read", "hash", "loadavg", *LOADS, *(f"{k}_cpu" for k in LOADS))}
     orders: list[list[str]] = []
     floor = ReadFloor(local)
     sizes: dict[str, int] = {}
@@ -234,22 +237,26 @@ def main() -> None:
         def load_dcp(path: Path) -> None:
             dcp.load(dcp_state(), storage_reader=dcp.FileSystemReader(str(path)))
 
-        def load_cold(path: Path) -> None:
-            direct.POOL.clear()  # as in a fresh process: the staged load's memory faulted in afresh
-            checkpoint.load(path, model, opt)
-
         runs = {"dcp": partial(load_dcp, theirs), "staged": partial(checkpoint.load, ours, model, opt),
                 "in_place": partial(checkpoint.load, ours, model, opt, mode=checkpoint.LoadMode.IN_PLACE),
                 "floor": partial(floor.in_place, mine), "staged_floor": partial(floor.staged, mine),
-                "staged_cold": partial(load_cold, ours)}
+                "staged_cold": partial(checkpoint.load, ours, model, opt)}
         order = list(LOADS[rnd % len(LOADS):] + LOADS[:rnd % len(LOADS)])
         orders.append(order)
+        prepare = {"staged": runs["staged"],  # (untimed) a staged load just before, as in a series of loads
+                   "staged_cold": direct.POOL.clear}  # (untimed) as in a fresh process: its memory faulted afresh
         for name in order:
+            if name in prepare:
+                prepare[name]()
             if rank == 0:
                 evict(ours)
                 evict(theirs)
             dist.barrier()
+            cpu = time.process_time()
             results[name].append(timed_step(runs[name], device))
+            used = torch.tensor([time.process_time() - cpu], dtype=torch.float64)
+            dist.all_reduce(used)  # CPU seconds of every thread of every rank: the work, whatever the load
+            results[f"{name}_cpu"].append(float(used.item()))
         dist.barrier()
         sizes["ours"], sizes["dcp"] = dir_bytes(ours), dir_bytes(theirs)
         dist.barrier()
@@ -284,6 +291,9 @@ def main() -> None:
                                    *((k, "load " + LABELS[k], sizes["dcp" if k == "dcp" else "ours"])
                                      for k in LOADS)):
             print(f"{label:24}{med[key]:8.3f}{nbytes / med[key] / gb:7.2f}")
+        cpu = ", ".join(f"{LABELS[k]} {med[k + '_cpu']:.3f}" for k in LOADS)
+        print(f"CPU seconds per load (every thread of both ranks), median: {cpu}; in place / DCP "
+              f"{med['in_place_cpu'] / med['dcp_cpu']:.2f}")
         print(f"save: xxh3_128 digests take {med['hash']:.3f} s ({100 * med['hash'] / med['ours_save']:.1f}% of the "
               f"save); ours/DCP {med['ours_save'] / med['dcp_save']:.2f}")
         if args.json:

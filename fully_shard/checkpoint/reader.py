@@ -190,9 +190,11 @@ class Loader:
                 else:
                     held, device = full_box(value.shape), torch.device("cpu")
                 dtype = ST_TO_TORCH[value.dtype]
-                mine = _reusable(existing.get(name), p, sharded and isinstance(p, DTensor), dtype, value.shape, held)
-                if mine is not None and self.mode is LoadMode.STAGED and mine.device.type == "cpu":
+                current = existing.get(name)
+                if self.mode is LoadMode.STAGED and isinstance(current, torch.Tensor) and current.device.type == "cpu":
                     mine = None  # staged: a view of the file's image instead of a copy (image.py)
+                else:
+                    mine = _reusable(current, p, sharded and isinstance(p, DTensor), dtype, value.shape, held)
                 if mine is not None:  # read into the optimizer's own tensor in phase 3, as the model
                     self.optim_locals[(fqn, name)] = _OptimLocal(mine, p, sharded, value.shape, existing[name])
                     self.add(self.optim_reads, value, held, mine, name=key)
