@@ -29,6 +29,7 @@ from .validate import loads_strict
 
 _READ_BLOCK = 16 << 20
 _SPAN_BYTES = 16 << 20  # a strided block read as enclosing ranges: each range at most this (or one index of dim 0)
+SMALL_BYTES = 64 << 10  # tensors of at most this many bytes are written first within their element size
 
 
 def fsync_path(path: str, directory: bool = False) -> None:
@@ -100,10 +101,17 @@ def encode_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, st
     """The length field + header of a safetensors file holding ``tensors``, and the order of their data.
 
     Deterministic: ``__metadata__`` first with sorted keys, then the tensors by decreasing element size
-    (so every tensor starts aligned to its element size) and, within a size, in the given order. The
-    header is padded with spaces to a multiple of 8 bytes, as the safetensors package does.
+    (so every tensor starts aligned to its element size), within a size the small ones (at most
+    ``SMALL_BYTES``) first, and otherwise in the given order. Small tensors are those other ranks read
+    whole one by one (step counters, replicated buffers): side by side, a few pages hold them all, so
+    one disk read (and the kernel's read-ahead) serves every such read of a load. The header is padded
+    with spaces to a multiple of 8 bytes, as the safetensors package does.
     """
-    order = sorted(tensors, key=lambda k: -tensors[k].element_size())  # stable: keeps the given order
+    def place(key: str) -> tuple[int, bool]:
+        t = tensors[key]
+        return -t.element_size(), t.numel() * t.element_size() > SMALL_BYTES
+
+    order = sorted(tensors, key=place)  # stable: keeps the given order
     doc: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
     pos = 0
     for key in order:

@@ -301,3 +301,21 @@ def test_series_key() -> None:
     assert series_key("seed2-step-100")[:2] != series_key("seed1-step-900")[:2]  # type: ignore[index]
     assert series_key("step-99")[:2] == series_key("step-100")[:2]  # type: ignore[index]
     assert series_key("final") is None and series_key(".step-1.tmp-ab12") is None
+
+
+def test_data_file_layout_puts_small_tensors_first(tmp_path: object) -> None:
+    """Within an element size, tensors of at most SMALL_BYTES come first (the step counters and replicated buffers
+    another rank reads one by one share a page), otherwise state_dict order; the file reads back as written."""
+    from safetensors.torch import load_file
+
+    from fully_shard.checkpoint import safetensors_io as sio
+
+    tensors = {"w/exp_avg": torch.arange(20000.0), "w/step": torch.tensor(3.0), "d": torch.arange(9000.0).double(),
+               "v/exp_avg": torch.arange(17000.0), "v/step": torch.tensor(4.0), "bias": torch.arange(5.0),
+               "half": torch.ones(3, dtype=torch.float16), "big_half": torch.ones(40000, dtype=torch.float16)}
+    assert sio.encode_header(tensors, {})[1] == ["d", "w/step", "v/step", "bias", "w/exp_avg", "v/exp_avg", "half",
+                                                 "big_half"]
+    path = f"{tmp_path}/x.safetensors"
+    sio.save_file(tensors, path, {})
+    back = load_file(path)
+    assert sorted(back) == sorted(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
