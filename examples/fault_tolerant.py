@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -102,7 +103,7 @@ def build_model(recipe: Recipe, replica: int = 0) -> nn.Sequential:
     torch.manual_seed(recipe.init_seeds[replica] if recipe.init_seeds else recipe.seed)
     dims = [recipe.d_in] + [recipe.hidden] * recipe.depth + [recipe.d_out]
     layers: list[nn.Module] = []
-    for a, b in zip(dims, dims[1:]):
+    for a, b in itertools.pairwise(dims):
         layers += [nn.Linear(a, b), nn.Tanh()]
     return nn.Sequential(*layers[:-1])
 
@@ -491,7 +492,8 @@ class Cluster:
             recv = f", state received in {ev['recv_s']:.3f} s" if ev.get("recv_s") is not None else ""
             self.echo(f"[{ev['t']:.2f}] HEAL {who}: now at step {ev['step']}{recv}")
         elif ev["ev"] == "up":
-            self.echo(f"[{ev['t']:.2f}] up: {who} (pid {ev['pid']}, ready {ev['t'] - ev['started']:.1f} s after its start)")
+            self.echo(f"[{ev['t']:.2f}] up: {who} (pid {ev['pid']}, ready {ev['t'] - ev['started']:.1f} s after its "
+                      "start)")
         elif ev["ev"] == "done":
             self.echo(f"[{ev['t']:.2f}] done: {who} at step {ev['step']}")
         elif ev["ev"] == "error":
@@ -590,8 +592,9 @@ class Cluster:
                             self.arm(dataclasses.replace(kill, step=at))
                             expected_kills += 1
                         last_change = time.time()
-            if not late and done_planning and all(
-                    r.proc.exitcode is not None and (r.done or r.replica in expect_failure) for r in self.ranks.values()):
+            finished = all(r.proc.exitcode is not None and (r.done or r.replica in expect_failure)
+                           for r in self.ranks.values())
+            if not late and done_planning and finished:
                 break
             if time.time() - start > deadline_s:
                 hung = True

@@ -1,8 +1,8 @@
 """fully_shard: FSDP2 (ZeRO-3) on DTensor. Public API only; see README.md and design/overview.md.
 
 The core (``fully_shard``, ``FSDPModule``, policies, clipping) is imported here; the applications on it
-(``checkpoint``, the profiler, the wrap planner) are imported on first use of their names, so
-``import fully_shard`` loads neither safetensors nor the tools.
+(``checkpoint``, the profiler, the wrap planner, ``ft``) are imported on first use of their names, so
+``import fully_shard`` loads neither safetensors, the tools nor torchft.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .optim.clip import clip_grad_norm_, total_grad_norm
 from .parallel.mesh import DataParallelMeshDims
 
 if TYPE_CHECKING:
-    from . import checkpoint
+    from . import checkpoint, ft
     from .tools.profile import Profiler, profile
     from .wrap import (
         GranularityPolicy,
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 # name -> the module that defines it, imported on first access (PEP 562)
 _LAZY = {
-    "checkpoint": "fully_shard.checkpoint",
+    "checkpoint": "fully_shard.checkpoint", "ft": "fully_shard.ft",
     "Profiler": "fully_shard.tools.profile", "profile": "fully_shard.tools.profile",
     **{name: "fully_shard.wrap" for name in (
         "GranularityPolicy", "ModuleClassPolicy", "ParamCountPolicy", "PredicatePolicy", "UnitReport", "WrapPlan",
@@ -57,7 +57,7 @@ def __getattr__(name: str) -> Any:
     if target is None:
         raise AttributeError(f"module 'fully_shard' has no attribute {name!r}")
     module = importlib.import_module(target)
-    value = module if name == "checkpoint" else getattr(module, name)
+    value = module if name in ("checkpoint", "ft") else getattr(module, name)
     globals()[name] = value
     return value
 
@@ -90,6 +90,7 @@ __all__ = [
     "checkpoint",
     "clip_grad_norm_",
     "default_init",
+    "ft",
     "fully_shard",
     "materialize_meta_module",
     "plan_wrap",

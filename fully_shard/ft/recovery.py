@@ -244,7 +244,8 @@ class RecoveryState:
             raise ShardLayoutError(f"fully_shard.ft ({where}): the peer sent {_count(tensors)} tensors for "
                                    f"{len(names)} layout entries. {fix}")
         for name, t, spec in zip(names, tensors, self.layout.tensors):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != spec.local_shape or dtype_name(t.dtype) != spec.dtype:
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != spec.local_shape \
+                    or dtype_name(t.dtype) != spec.dtype:
                 found = f"{dtype_name(t.dtype)}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ShardLayoutError(f"fully_shard.ft ({where}): {name}: expected a local tensor "
                                        f"{spec.dtype}{list(spec.local_shape)}, received {found}. {fix}")

@@ -30,7 +30,7 @@ import torch.nn as nn
 os.environ.setdefault("RUST_LOG", "warn")  # before torchft's import: its Rust side logs every quorum at info
 pytest.importorskip("torchft", reason="the ft extra is not installed: pip install '.[ft]'")
 
-from examples.fault_tolerant import (  # noqa: E402
+from examples.fault_tolerant import (
     Cluster,
     Kill,
     Recipe,
@@ -40,7 +40,7 @@ from examples.fault_tolerant import (  # noqa: E402
     make_optimizer,
     summarize,
 )
-from fully_shard.ft import StepSampler  # noqa: E402
+from fully_shard.ft import StepSampler
 
 TOL = 2e-5
 

@@ -15,8 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2] / "fully_shard"
 
 # package -> layer; a module may import from its own package or a lower layer
-LAYERS = {"parallel": 0, "comm": 1, "core": 2, "optim": 3, "wrap": 3, "interop": 4, "checkpoint": 4, "tools": 5,
-          "": 6}  # "": fully_shard/__init__.py and the entry points beside it (compat.py, tune.py)
+LAYERS = {"parallel": 0, "comm": 1, "core": 2, "optim": 3, "wrap": 3, "interop": 4, "checkpoint": 4, "ft": 4,
+          "tools": 5, "": 6}  # "": fully_shard/__init__.py and the entry points beside it (compat.py, tune.py)
 # Leaves: modules that import nothing of the package; the core calls them (torch integration points)
 LEAVES = {"fully_shard.interop.dynamo", "fully_shard.interop.composable"}
 
@@ -80,7 +80,8 @@ def test_leaves_import_nothing_of_the_package() -> None:
 
 
 def test_no_import_cycles_between_modules() -> None:
-    graph = {m: {t for t in ts if t in _graph()} for m, ts in _graph().items()}
+    full = _graph()  # (parsed once: every module's source)
+    graph = {m: {t for t in ts if t in full} for m, ts in full.items()}
     inits = {m for m in graph if (ROOT.parent / m.replace(".", "/")).is_dir()}  # packages re-export: skip
     graph = {m: ts - inits for m, ts in graph.items() if m not in inits}
     cycles: list[list[str]] = []
@@ -113,7 +114,8 @@ def test_the_layer_check_sees_a_violation() -> None:
 
 def test_import_fully_shard_loads_no_tools() -> None:
     code = ("import sys, fully_shard; print(sorted(m for m in sys.modules if m.startswith(("
-            "'fully_shard.tools', 'fully_shard.checkpoint', 'fully_shard.wrap', 'safetensors', 'xxhash'))))")
+            "'fully_shard.tools', 'fully_shard.checkpoint', 'fully_shard.wrap', 'fully_shard.ft', 'torchft', "
+            "'safetensors', 'xxhash'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
     code = "import fully_shard; from fully_shard import checkpoint, profile, auto_wrap; print(checkpoint.__name__)"
