@@ -537,10 +537,11 @@ class Cluster:
             expect_failure: frozenset[int] = frozenset(), deadline_s: float = 300.0,
             on_healthy: Callable[[Cluster, int], Kill | None] | None = None) -> Report:
         """Start the groups (a replica in ``late`` once another has committed that step), then carry out
-        ``plan`` one kill at a time, each when every group has contributed to a committed step since the
-        last kill (``on_healthy(cluster, i)`` may supply kill ``i`` instead). A group whose rank died is
-        killed and restarted (not a replica in ``expect_failure``). Then the stop file ends the run.
-        Past ``deadline_s`` every rank is killed and the report says ``hung``."""
+        ``plan`` one kill at a time, each when the killed group was restarted and every group has
+        contributed to a committed step since (``on_healthy(cluster, i)`` may supply kill ``i`` instead).
+        A group whose rank died is killed and restarted, but a replica in ``expect_failure``, which must
+        fail. With ``Recipe(hold=True)`` the stop file then ends the run (4 steps later); else the ranks
+        stop at ``recipe.steps``. Past ``deadline_s`` every rank is killed and the report says ``hung``."""
         start = time.time()
         late = dict(late or {})
         plan = list(plan)
@@ -552,7 +553,7 @@ class Cluster:
                              "recipe.steps while kills are still planned")
         restart_kills: dict[tuple[int, int], Kill] = {}
         issued, expected_kills, last_change, hung = 0, 0, start, False
-        done_planning = not plan and on_healthy is None
+        done_planning = not self.recipe.hold  # else the stop file ends the run, after the plan
         go = self.workdir / "go"
         while True:
             dead = self.poll()
@@ -563,6 +564,9 @@ class Cluster:
                     del late[replica]
                     self.start_group(replica)
             for replica in sorted({key[0] for key in dead}):
+                if replica in expect_failure:  # its other ranks fail on their own (the test reads every message)
+                    for r in [r for r in self.ranks.values() if r.replica == replica]:
+                        r.proc.join(10)
                 self.kill_group(replica)
                 self.poll()
                 if replica in expect_failure:
@@ -573,7 +577,9 @@ class Cluster:
                 self.start_group(replica, restart_kills.get((replica, nxt)))
             live = [r for r in range(self.recipe.groups) if r not in expect_failure]
             restarted = not self.kills or self.incarnations[self.kills[-1]["replica"]] > self.kills[-1]["incarnation"]
-            if not done_planning and len(self.kills) >= expected_kills and not late and restarted:
+            failed = all(r.proc.exitcode is not None for r in self.ranks.values() if r.replica in expect_failure) \
+                and all(r in self.incarnations for r in expect_failure)
+            if not done_planning and len(self.kills) >= expected_kills and not late and restarted and failed:
                 if self.kills:
                     last_change = max(last_change, self.kills[-1]["t"])
                 if self.healthy_since(last_change, live):

@@ -146,7 +146,7 @@ def test_kills_in_every_phase_survivors_go_on_and_the_restart_heals(tmp_path: Pa
 
 @pytest.mark.timeout(280)
 def test_a_joiner_with_another_layout_gets_a_clear_error_and_the_survivor_is_untouched(tmp_path: Path) -> None:
-    recipe = Recipe(steps=10, full_quorum=1, layouts=("rows", "cols"), record=True, step_sleep=0.05,
+    recipe = Recipe(hold=True, full_quorum=1, layouts=("rows", "cols"), record=True, step_sleep=0.02,
                     optimizer="sgd", lr=0.05)
     report = _run(recipe, tmp_path, 240, late={1: 3}, expect_failure=frozenset({1}))
     joiner = [e for e in report.all_errors if e["replica"] == 1]
@@ -159,8 +159,12 @@ def test_a_joiner_with_another_layout_gets_a_clear_error_and_the_survivor_is_unt
     assert {key for key in report.finals} == {(0, 0), (0, 1)}
     # the survivor: every committed step its own batches only, as an unsharded model trained on them alone
     records = report.finals[(0, 0)]["records"]
-    assert all(rec["contributed"] for rec in records) and [rec["step"] for rec in records] == list(range(1, 11))
-    ref = _reference(recipe, [[0]] * 10)
+    last = report.finals[(0, 0)]["step"]
+    assert all(rec["contributed"] for rec in records) and [rec["step"] for rec in records] == list(range(1, last + 1))
+    joined = min(e["t"] for e in report.events if e["replica"] == 1 and e["ev"] == "up")
+    assert any(e["ev"] == "step" and e["replica"] == 0 and e["t"] > max(x["t"] for x in joiner) for e in report.events)
+    assert joined < max(x["t"] for x in joiner)
+    ref = _reference(recipe, [[0]] * last)
     diffs = [_max_diff(o, r) for o, r in zip(_full(report, 0, recipe), ref)]
     assert max(diffs) < TOL, diffs
     heals = [e for e in report.events if e["ev"] == "heal"]
