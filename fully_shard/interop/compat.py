@@ -27,6 +27,9 @@ Names touched (each only where torch 2.13 defines it; module -> names):
 ``torch.distributed.pipelining.schedules``              FSDPModule, UnshardHandle (bound at its import)
 =====================================================  =============================================
 
+While patched, this library's ``FSDPModule`` also has torch's private ``_get_fsdp_state()`` (torchtitan's torchft
+path sets ``_fsdp_param_groups[i]._all_reduce_hook`` through it; removed again by ``unpatch_torch()``).
+
 Left alone on purpose (design/compat.md has the reasons): torch's implementation modules
 (``_fully_shard._fully_shard``, ``_fsdp_api``, ``_fsdp_common``, ``_fsdp_init``, ``_fsdp_param_group``,
 ``_fsdp_state``), so torch's own fully_shard keeps working side by side while patched;
@@ -161,6 +164,7 @@ def patch_torch() -> list[str]:
                         _SAVED[(modname, name)] = vars(mod)[name]
             for (modname, name) in _SAVED:
                 setattr(sys.modules[modname], name, _ours(name))
+            FSDPModule._get_fsdp_state = _get_fsdp_state  # type: ignore[attr-defined]
         return patched_names()
 
 
@@ -170,6 +174,8 @@ def unpatch_torch() -> None:
         for (modname, name), original in _SAVED.items():
             setattr(sys.modules[modname], name, original)
         _SAVED.clear()
+        if "_get_fsdp_state" in vars(FSDPModule):
+            del FSDPModule._get_fsdp_state  # type: ignore[attr-defined]
 
 
 def is_patched() -> bool:
@@ -226,6 +232,18 @@ class GroupView:
         reshard if ``reshard_after_backward``: what a post-backward hook does."""
         self._state.post_backward(only=self._group)
 
+    @property
+    def _all_reduce_hook(self) -> Callable[[Any], None] | None:
+        """torchtitan's torchft path sets torch's private ``FSDPParamGroup._all_reduce_hook`` per group:
+        this group's ``set_all_reduce_hook`` hook."""
+        return self._group.reducer.settings.all_reduce_hook
+
+    @_all_reduce_hook.setter
+    def _all_reduce_hook(self, hook: Callable[[Any], None] | None) -> None:
+        if hook is not None and not callable(hook):
+            raise TypeError(f"_all_reduce_hook expects a callable hook(tensor) or None, got {type(hook).__name__}")
+        self._group.reducer.settings.all_reduce_hook = hook
+
 
 class StateView:
     """torch's ``FSDPState`` as torch code reads it (``fully_shard.state(module)``)."""
@@ -262,6 +280,12 @@ class StateView:
             return
         owner = next((s for s in root.states if s.is_root), self._state)
         owner.root_final_callback()
+
+
+def _get_fsdp_state(module: FSDPModule) -> StateView:
+    """torch's private ``FSDPModule._get_fsdp_state()`` (torchtitan's torchft path reads the param groups
+    through it): our unit's view, while patched."""
+    return StateView(module._fsdp)
 
 
 class _StateContextView:
