@@ -646,14 +646,18 @@ def compare_replicas(report: Report, recipe: Recipe) -> list[str]:
 def summarize(report: Report, groups: int) -> list[dict[str, Any]]:
     """Per kill: the victim, the phase, seconds from the kill to the survivors' next committed step without
     the victim (a step the victim had already voted for may still commit with it: a kill in the optimizer
-    step), the survivors' step attempts that did not commit in between, and the heal (seconds from the
-    restart to the state applied, seconds of the transfer, the step it healed to)."""
+    step), the step attempts that did not commit in between (the most of any surviving rank), and the heal
+    (seconds from the restart to the state applied, seconds of the transfer, the step it healed to)."""
     rows = []
     for kill in report.kills:
         t, victim = kill["t"], kill["replica"]
         survivor = [e for e in report.events if e["ev"] == "step" and e["replica"] != victim and e["t"] > t]
         nxt = next((e for e in survivor if e["committed"] and e["participants"] < groups), None)
-        lost = sum(1 for e in survivor if not e["committed"] and (nxt is None or e["t"] <= nxt["t"]))
+        failed: dict[tuple[int, int], int] = {}  # per surviving rank: its step attempts that did not commit
+        for e in survivor:
+            if not e["committed"] and (nxt is None or e["t"] <= nxt["t"]):
+                failed[(e["replica"], e["rank"])] = failed.get((e["replica"], e["rank"]), 0) + 1
+        lost = max(failed.values(), default=0)
         restart = next((r for r in report.restarts if r["replica"] == victim and r["t"] >= t), None)
         heal = None if restart is None else next(
             (e for e in report.events if e["ev"] == "heal" and e["replica"] == victim
