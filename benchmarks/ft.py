@@ -77,6 +77,8 @@ def trials(variant: str, n: int, seed: int, deadline_s: float) -> dict[str, Any]
         "to_next_commit_s": [r["to_next_commit_s"] for r in rows],
         "steps_lost": [r["steps_lost"] for r in rows],
         "restart_to_healed_s": [r["restart_to_healed_s"] for r in rows if r["restart_to_healed_s"] is not None],
+        "restart_to_ready_s": [r["restart_to_ready_s"] for r in rows if r["restart_to_ready_s"] is not None],
+        "ready_to_healed_s": [r["ready_to_healed_s"] for r in rows if r["ready_to_healed_s"] is not None],
         "recv_s": [r["recv_s"] for r in rows if r["recv_s"] is not None],
         "phases": {p: sum(k["phase"] == p for k in report.kills) for p in PHASES},
         "problems": problems[:10],
@@ -101,6 +103,7 @@ def sizes(widths: list[int], deadline_s: float) -> list[dict[str, Any]]:
         row = rows[0] if rows else {}
         out.append({"width": width, "params": params, "state_mib": params * 3 * 4 / 2**20,
                     "recv_s": row.get("recv_s"), "restart_to_healed_s": row.get("restart_to_healed_s"),
+                    "ready_to_healed_s": row.get("ready_to_healed_s"),
                     "to_next_commit_s": row.get("to_next_commit_s"), "equal": not compare_replicas(report, recipe),
                     "hung": report.hung})
         shutil.rmtree(workdir, ignore_errors=True)
@@ -123,9 +126,9 @@ def main() -> int:
         results["trials"] = []
         print(f"{args.trials} random kills, 3 replica groups x 2 ranks, seed {args.seed} (the same kills per variant)")
         print("| variant | kills (trials) | hangs | NaN | divergent | to next commit (median / max) | steps lost "
-              "(median / max) | restart -> healed (median / max) | transfer (median) | final step | AdamW step "
-              "counts | wall |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "(median / max) | restart -> healed (median / max) | of which startup (median) | ready -> healed "
+              "(median) | transfer (median) | final step | AdamW step counts | wall |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for variant in args.variants.split(","):
             r = trials(variant, args.trials, args.seed, args.deadline)
             results["trials"].append(r)
@@ -134,6 +137,7 @@ def main() -> int:
                   f"{_fmt(_median(nxt))} / {_fmt(max(nxt, default=None))} | "
                   f"{_median([float(v) for v in r['steps_lost']])} / {max(r['steps_lost'], default=None)} | "
                   f"{_fmt(_median(r['restart_to_healed_s']))} / {_fmt(max(r['restart_to_healed_s'], default=None))} | "
+                  f"{_fmt(_median(r['restart_to_ready_s']))} | {_fmt(_median(r['ready_to_healed_s']))} | "
                   f"{_fmt(_median(r['recv_s']))} | {r['final_step']} | {r['adam_step_counts']} | "
                   f"{r['wall_s']:.0f} s |", flush=True)
             if r["problems"] or r["errors"]:
@@ -142,14 +146,14 @@ def main() -> int:
                   f"{sum(v is None for v in r['to_next_commit_s'])}")
     if "sizes" in parts:
         print("\nheal time vs model size (2 groups, one kill in the forward; this library)")
-        print("| width | params | state MiB (params + AdamW, whole model) | transfer s | restart -> healed s | "
-              "to next commit s | replicas equal |")
-        print("|---|---|---|---|---|---|---|")
+        print("| width | params | state MiB (params + AdamW, whole model) | transfer s | ready -> healed s | "
+              "restart -> healed s | to next commit s | replicas equal |")
+        print("|---|---|---|---|---|---|---|---|")
         results["sizes"] = sizes([int(w) for w in args.sizes.split(",")], args.deadline)
         for row in results["sizes"]:
             print(f"| {row['width']} | {row['params']:,} | {row['state_mib']:.1f} | {_fmt(row['recv_s'], '')} | "
-                  f"{_fmt(row['restart_to_healed_s'], '')} | {_fmt(row['to_next_commit_s'], '')} | "
-                  f"{row['equal'] and not row['hung']} |", flush=True)
+                  f"{_fmt(row['ready_to_healed_s'], '')} | {_fmt(row['restart_to_healed_s'], '')} | "
+                  f"{_fmt(row['to_next_commit_s'], '')} | {row['equal'] and not row['hung']} |", flush=True)
     results["load_average_end"] = os.getloadavg()
     print(f"\nload average at start {results['load_average']}, at end {results['load_average_end']}")
     if args.json:

@@ -647,7 +647,8 @@ def summarize(report: Report, groups: int) -> list[dict[str, Any]]:
     """Per kill: the victim, the phase, seconds from the kill to the survivors' next committed step without
     the victim (a step the victim had already voted for may still commit with it: a kill in the optimizer
     step), the step attempts that did not commit in between (the most of any surviving rank), and the heal
-    (seconds from the restart to the state applied, seconds of the transfer, the step it healed to)."""
+    (seconds from the restart to the state applied, split at the moment every restarted rank was ready to
+    train (process start, model, manager: its startup), seconds of the transfer, the step it healed to)."""
     rows = []
     for kill in report.kills:
         t, victim = kill["t"], kill["replica"]
@@ -662,10 +663,15 @@ def summarize(report: Report, groups: int) -> list[dict[str, Any]]:
         heal = None if restart is None else next(
             (e for e in report.events if e["ev"] == "heal" and e["replica"] == victim
              and e["incarnation"] == restart["incarnation"]), None)
+        ups = [] if restart is None else [e["t"] for e in report.events if e["ev"] == "up" and e["replica"] == victim
+                                          and e["incarnation"] == restart["incarnation"]]
+        ready = max(ups) if len(ups) == len({e["rank"] for e in report.events if e["ev"] == "up"}) else None
         rows.append({"replica": victim, "rank": kill["rank"], "phase": kill["phase"], "step": kill["step"],
                      "to_next_commit_s": None if nxt is None else nxt["t"] - t,
                      "quorum_after": None if nxt is None else nxt["participants"], "steps_lost": lost,
                      "restart_to_healed_s": None if heal is None else heal["t"] - restart["t"],  # type: ignore[index]
+                     "restart_to_ready_s": None if heal is None or ready is None else ready - restart["t"],  # type: ignore[index]
+                     "ready_to_healed_s": None if heal is None or ready is None else heal["t"] - ready,
                      "recv_s": None if heal is None else heal.get("recv_s"),
                      "healed_to_step": None if heal is None else heal["step"]})
     return rows
