@@ -81,6 +81,11 @@ def trials(variant: str, n: int, seed: int, deadline_s: float) -> dict[str, Any]
         "ready_to_healed_s": [r["ready_to_healed_s"] for r in rows if r["ready_to_healed_s"] is not None],
         "recv_s": [r["recv_s"] for r in rows if r["recv_s"] is not None],
         "phases": {p: sum(k["phase"] == p for k in report.kills) for p in PHASES},
+        # restarts not caused by a planned kill (a rank that died by itself), and every rank's error
+        "unplanned_restarts": [r for r in report.restarts if not any(
+            k["replica"] == r["replica"] and k["incarnation"] == r["incarnation"] - 1 for k in report.kills)],
+        "all_errors": [f"replica {e['replica']} rank {e['rank']} incarnation {e['incarnation']}: {e['msg']}"
+                       for e in report.all_errors],
         "problems": problems[:10],
     }
     shutil.rmtree(workdir, ignore_errors=True)
@@ -143,7 +148,10 @@ def main() -> int:
             if r["problems"] or r["errors"]:
                 print(f"  {variant}: problems {r['problems']} errors {r['errors'][:3]}")
             print(f"  {variant}: kills per phase {r['phases']}; no commit after a kill: "
-                  f"{sum(v is None for v in r['to_next_commit_s'])}")
+                  f"{sum(v is None for v in r['to_next_commit_s'])}; restarts without a planned kill: "
+                  f"{len(r['unplanned_restarts'])}; rank errors (any incarnation): {len(r['all_errors'])}")
+            for line in r["all_errors"][:5]:
+                print(f"    {line}")
     if "sizes" in parts:
         print("\nheal time vs model size (2 groups, one kill in the forward; this library)")
         print("| width | params | state MiB (params + AdamW, whole model) | transfer s | ready -> healed s | "

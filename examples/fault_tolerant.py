@@ -1,17 +1,17 @@
 """Fault-tolerant HSDP on CPU: two replica groups of two ranks train; one is killed, restarted, and heals.
 
     python examples/fault_tolerant.py                 # 4 CPU processes, gloo, a torchft lighthouse in-process
-    python examples/fault_tolerant.py --phase backward --kill-replica 0 --kill-rank 1 --steps 12
+    python examples/fault_tolerant.py --kill 0:1:backward --kill 1:0:allreduce   # REPLICA:RANK:PHASE, in order
 
 Each replica group is its own fully_shard job over its own ranks (a 1-D mesh of 2 gloo ranks); torchft's
 ``Manager`` joins the groups: ``fully_shard.ft.fault_tolerant(model, optimizer, manager=...)`` averages every
 unit's gradient across the groups that contribute to the step, commits a step only with a healthy quorum,
 and lets a restarted group heal from a live peer (docs/ft.md). This script is the launcher too: it starts
 the lighthouse, the four ranks (a forkserver with torch preloaded, so a restart takes a fork, not an
-import), SIGKILLs one rank at the chosen phase and step (``--phase forward|backward|allreduce|optimizer|
-heal``), kills the rest of that group (what torchrun's agent does) and restarts it. It prints the kill,
-every quorum change seen by the survivors, the heal, and at the end compares the replicas' parameters and
-optimizer state bit for bit.
+import), SIGKILLs one rank in the chosen phase (``--kill REPLICA:RANK:PHASE``, phases forward, backward,
+allreduce, optimizer, heal), kills the rest of that group (what torchrun's agent does) and restarts it.
+It prints the kill, every quorum change seen by the survivors, the heal, and at the end compares the
+replicas' parameters and optimizer state bit for bit.
 
 The same launcher (``Cluster``, ``worker``) drives tests/ft/ and benchmarks/ft.py.
 """
@@ -535,12 +535,12 @@ class Cluster:
 
     def run(self, *, plan: list[Kill] = (), late: dict[int, int] | None = None,
             expect_failure: frozenset[int] = frozenset(), deadline_s: float = 300.0,
-            on_healthy: Callable[[Cluster, int], Kill | None] | None = None) -> Report:
+            on_healthy: Callable[[Cluster, int], Kill | None] | None = None, tail_steps: int = 4) -> Report:
         """Start the groups (a replica in ``late`` once another has committed that step), then carry out
         ``plan`` one kill at a time, each when the killed group was restarted and every group has
         contributed to a committed step since (``on_healthy(cluster, i)`` may supply kill ``i`` instead).
         A group whose rank died is killed and restarted, but a replica in ``expect_failure``, which must
-        fail. With ``Recipe(hold=True)`` the stop file then ends the run (4 steps later); else the ranks
+        fail. With ``Recipe(hold=True)`` the stop file then ends the run (``tail_steps`` later); else the ranks
         stop at ``recipe.steps``. Past ``deadline_s`` every rank is killed and the report says ``hung``."""
         start = time.time()
         late = dict(late or {})
@@ -587,7 +587,7 @@ class Cluster:
                     issued += 1
                     if kill is None:
                         done_planning = True
-                        self.stop_at(max(self.step_of(r) for r in live) + 4)
+                        self.stop_at(max(self.step_of(r) for r in live) + tail_steps)
                     else:
                         at = self.step_of(kill.replica) + 2
                         if kill.phase == "heal":  # killed in its forward, then again while its restart heals
@@ -695,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"replica {k.replica} rank {k.rank} during {k.phase}" for k in plan), flush=True)
     cluster = Cluster(recipe, workdir, echo=lambda line: print(line, flush=True))
     try:
-        report = cluster.run(plan=plan, deadline_s=400)
+        report = cluster.run(plan=plan, deadline_s=400, tail_steps=args.steps)
     finally:
         cluster.close()
     problems = compare_replicas(report, recipe) + report.errors + (["hang"] if report.hung else [])

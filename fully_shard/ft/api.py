@@ -44,8 +44,9 @@ def fault_tolerant(model: nn.Module, optimizer: Optimizer, *, manager: Any,
       ``step()``.
 
     Call it on every rank of the replica group, after ``fully_shard`` and before the first step. The
-    manager must be built with ``load_state_dict=None, state_dict=None`` (this call registers the state)
-    and, with the asynchronous quorum (torchft's default), ``init_sync=False``.
+    manager must be built with ``load_state_dict=None, state_dict=None`` (this call registers the state;
+    a manager holding other state is refused) and, with the asynchronous quorum (torchft's default),
+    ``init_sync=False``.
     """
     missing = [m for m in _MANAGER_METHODS if not callable(getattr(manager, m, None))]
     if missing:
@@ -57,6 +58,7 @@ def fault_tolerant(model: nn.Module, optimizer: Optimizer, *, manager: Any,
                         f"got {type(optimizer).__name__} (already wrapped for torchft?). Fix: pass the optimizer "
                         "itself; fault_tolerant returns its wrapper.")
     async_quorum = _check_quorum_settings(manager)
+    _check_no_other_state(manager)
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
         raise ValueError(f"fault_tolerant: {type(model).__name__} has no fully_shard unit. Fix: call "
@@ -106,6 +108,22 @@ def _check_quorum_settings(manager: Any) -> bool:
             "replica group identically (the same seed, or the same checkpoint) and pass init_sync=False, or pass "
             "use_async_quorum=False (the step-0 heal then completes before the forward and every group counts).")
     return async_quorum
+
+
+def _check_no_other_state(manager: Any) -> None:
+    """Refuses a manager that already transfers other state (``Manager(load_state_dict=..., state_dict=...)``
+    registers it as ``"default"``): its ``state_dict`` would run on torchft's quorum thread in the middle of
+    a forward, and its ``load_state_dict`` would write before the commit vote, so a heal would no longer be
+    all or nothing. Reads torchft 0.2.0's ``Manager._user_state_dicts`` where it exists."""
+    registered = getattr(manager, "_user_state_dicts", None)
+    others = sorted(k for k in registered if k != STATE_KEY) if isinstance(registered, Mapping) else []
+    if others:
+        raise ValueError(
+            f"fault_tolerant: the manager already transfers state registered as {others} (Manager("
+            "load_state_dict=..., state_dict=...) registers 'default'); torchft would read it on its quorum thread "
+            "during the forward and load it before the commit vote. Fix: build the Manager with "
+            "load_state_dict=None, state_dict=None and pass other objects (a scheduler, a data position) as "
+            "fault_tolerant(..., stateful={name: obj}).")
 
 
 def _group_of() -> tuple[int, int]:

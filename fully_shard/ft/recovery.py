@@ -6,12 +6,14 @@ may run there: ``model.state_dict()`` runs state-dict hooks that reshard units i
 and DCP's optimizer state dict issues collectives. So this class
 
 - **captures** on the training thread, at the start of every step (``capture``, before the quorum is
-  started): references to the local shard of every parameter, every persistent buffer, the local tensors
-  of the optimizer state, its hyperparameters and the registered ``stateful`` objects' state dicts. No
-  copy: between the capture and the commit vote the training thread only runs forward and backward,
-  which write none of these tensors, and torchft stops serving the state (``disallow_checkpoint``) inside
-  ``should_commit``, before the optimizer step writes them. On accelerators an event recorded at the
-  capture orders the transport's reads after the previous step's optimizer kernels.
+  started): references to the local shard of every parameter and to the local tensors of the optimizer
+  state, a copy of every persistent buffer, the hyperparameters and the registered ``stateful`` objects'
+  state dicts. No copy of the large part: between the capture and the commit vote the training thread
+  only runs forward and backward, which write no parameter or optimizer state (a forward may write
+  buffers: BatchNorm's running statistics, hence their copy), and torchft stops serving the state
+  (``disallow_checkpoint``) inside ``should_commit``, before the optimizer step writes them. On
+  accelerators an event recorded at the capture orders the transport's reads after the previous step's
+  optimizer kernels.
 - **serves** that capture to torchft's thread as it is (``state_dict``: a dict lookup and the event wait).
 - **checks** what a peer sent on the training thread (``load_state_dict``, which torchft calls from
   ``should_commit`` or ``start_quorum``): format, shard layout (ShardLayout), every tensor's shape and
@@ -130,7 +132,10 @@ class RecoveryState:
             self._read_model()  # parameters were replaced (model.to_empty(), load_state_dict(assign=True))
         state = self._optimizer.state
         with torch.no_grad():
-            tensors = self._locals()
+            # parameter shards by reference (only the optimizer step writes them); buffers copied: a forward
+            # may write them (BatchNorm's running statistics) while torchft's thread serves this capture
+            tensors = [p.to_local() if isinstance(p, DTensor) else p.detach() for p in self._params] + \
+                [b.detach().clone() for b in self._buffers]
             entries: list[dict[str, dict[str, Any]] | None] = []
             for p in self._params:
                 entry = state.get(p)

@@ -30,6 +30,7 @@ class FakeManager:
         self._init_sync = init_sync
         self.loads: dict[str, Any] = {}
         self.saves: dict[str, Any] = {}
+        self._user_state_dicts = self.saves  # torchft's name for the registered state_dict callbacks
         self.step = 0
         self.batches = 0
         self.errors: list[Exception] = []

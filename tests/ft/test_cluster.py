@@ -27,8 +27,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-os.environ.setdefault("RUST_LOG", "warn")  # before torchft's import: its Rust side logs every quorum at info
-pytest.importorskip("torchft", reason="the ft extra is not installed: pip install '.[ft]'")
+os.environ.setdefault("RUST_LOG", "warn")  # before torchft's import (the launcher's): its Rust side logs quorums
 
 from examples.fault_tolerant import (
     Cluster,

@@ -72,6 +72,14 @@ def test_refuses_what_recovery_cannot_keep_consistent() -> None:
     msg = _raises(lambda: fault_tolerant(hooked, torch.optim.SGD(hooked.parameters(), lr=0.1), manager=FakeManager()),
                   ValueError)
     assert "unit '0'" in msg and "already has an all-reduce hook" in msg
+    # a manager built with its own state callbacks: read on torchft's thread, loaded before the vote
+    own = FakeManager()
+    own.register_state_dict_fn("default", lambda _: None, lambda: {})
+    plain = build()
+    plain_opt = torch.optim.AdamW(plain.parameters())
+    msg = _raises(lambda: fault_tolerant(plain, plain_opt, manager=own), ValueError)
+    assert "['default']" in msg and "load_state_dict=None, state_dict=None" in msg and "stateful=" in msg
+    assert not plain_opt.state and list(own.loads) == ["default"]  # nothing created, nothing registered
     # the state key is registered once per manager
     manager = FakeManager()
     first = build()
@@ -278,6 +286,25 @@ def test_torchft_thread_reads_the_capture_without_touching_fsdp() -> None:
 
     assert isinstance(seen["torch_style"]["0.weight"], DTensor)
     assert not isinstance(seen["torch_style"]["2.weight"], DTensor) and seen["torch_style"]["2.weight"].shape == (5, 12)
+
+
+@distributed(world_size=2)
+def test_buffers_a_forward_writes_are_served_as_they_were_at_the_capture() -> None:
+    """BatchNorm's running statistics change in the forward, while torchft's thread may be serving the
+    capture: the served buffers are the step boundary's."""
+    from fully_shard import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 5))
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recovery = _recovery(model, opt)
+    recovery.capture()
+    at_capture = [b.clone() for b in model.buffers()]
+    served = recovery.state_dict()["tensors"][-3:]  # running_mean, running_var, num_batches_tracked
+    model(torch.randn(4, 6))
+    assert not torch.equal(model[1].running_mean, at_capture[0])  # the forward wrote them
+    assert all(torch.equal(s, b) for s, b in zip(served, at_capture))
 
 
 # --- the optimizer wrapper: phases, votes, heals --------------------------------------------------------------
