@@ -10,7 +10,8 @@ ranks forked from a forkserver, every rank with a watchdog, every run with a dea
 - ``trials``: 3 replica groups x 2 ranks train an MLP with AdamW; ``--trials`` times, once every group has
   contributed to a committed step since the last kill, a random rank of a random group is SIGKILLed in a
   random phase (forward, backward, the cross-replica all-reduce, the optimizer step, or while its restart
-  heals: then it is killed twice); its group is killed and restarted and heals from a live peer. Counts
+  heals: then it is killed twice, or as its restart heals, the live group it heals from, as that one starts
+  sending: a second group dies); its group is killed and restarted and heals from a live peer. Counts
   hangs (the run's deadline passed), NaNs and divergent replicas (final parameters and AdamW state not
   bitwise equal across groups); per kill: seconds to the survivors' next committed step without the
   victim, their step attempts that did not commit in between, seconds from the restart to the heal

@@ -2,6 +2,7 @@
 
     python examples/fault_tolerant.py                 # 4 CPU processes, gloo, a torchft lighthouse in-process
     python examples/fault_tolerant.py --kill 0:1:backward --kill 1:0:allreduce   # REPLICA:RANK:PHASE, in order
+    python examples/fault_tolerant.py --torchrun --kill 1:0:forward   # group 1 under torchrun --max-restarts
 
 Each replica group is its own fully_shard job over its own ranks (a 1-D mesh of 2 gloo ranks); torchft's
 ``Manager`` joins the groups: ``fully_shard.ft.fault_tolerant(model, optimizer, manager=...)`` averages every
@@ -9,7 +10,8 @@ unit's gradient across the groups that contribute to the step, commits a step on
 and lets a restarted group heal from a live peer (docs/ft.md). This script is the launcher too: it starts
 the lighthouse, the four ranks (a forkserver with torch preloaded, so a restart takes a fork, not an
 import), SIGKILLs one rank in the chosen phase (``--kill REPLICA:RANK:PHASE``, phases forward, backward,
-allreduce, optimizer, heal), kills the rest of that group (what torchrun's agent does) and restarts it.
+allreduce, optimizer, heal, source), kills the rest of that group (what torchrun's agent does) and
+restarts it; with ``--torchrun`` group 1 runs under ``torchrun --max-restarts``, which restarts it.
 It prints the kill, every quorum change seen by the survivors, the heal, and at the end compares the
 replicas' parameters and optimizer state bit for bit.
 
@@ -28,6 +30,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -45,7 +48,8 @@ import torch.nn as nn
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-PHASES = ("forward", "backward", "allreduce", "optimizer", "heal")
+PHASES = ("forward", "backward", "allreduce", "optimizer", "heal", "source")
+LAUNCHERS = ("fork", "torchrun")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +75,10 @@ class Recipe:
     variants: tuple[str, ...] = ()  # per replica group: ours | compat (torch's names after compat.patch_torch())
     #                                 | torch (torch's fully_shard, torchtitan's recipe); default all "ours"
     layouts: tuple[str, ...] = ()  # per replica group: rows (Shard(0), default) | cols (Shard(1) for 2-D params)
+    mesh: tuple[int, ...] = ()  # a replica group's mesh: (ranks,) by default; (2, 2): HSDP (replicate, shard) inside it
+    launchers: tuple[str, ...] = ()  # per replica group: fork (default: this launcher forks and restarts its ranks)
+    #                                  | torchrun (one ``torchrun --max-restarts`` per group restarts them)
+    torchrun_restarts: int = 3  # torchrun's --max-restarts
     async_quorum: bool = True
     init_sync: bool = False
     min_replicas: int = 1  # the lighthouse's
@@ -85,12 +93,31 @@ class Recipe:
     def layout(self, replica: int) -> str:
         return self.layouts[replica] if self.layouts else "rows"
 
+    def launcher(self, replica: int) -> str:
+        return self.launchers[replica] if self.launchers else "fork"
+
+    def mesh_shape(self) -> tuple[int, ...]:
+        shape = self.mesh or (self.ranks,)
+        if len(shape) > 2 or torch.Size(shape).numel() != self.ranks:
+            raise ValueError(f"Recipe(mesh={self.mesh}): a 1-D or 2-D mesh of ranks={self.ranks} ranks expected")
+        return shape
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Recipe:
+        fields = json.loads(text)
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
 
 @dataclasses.dataclass(frozen=True)
 class Kill:
     """SIGKILL rank ``rank`` of replica group ``replica`` in ``phase`` at manager step ``step``. ``heal``: when
     its heal has arrived, before it is applied (the group must be restarting: in ``Cluster.run``'s plan the
-    group is first killed in its forward, then again while the restart heals)."""
+    group is first killed in its forward, then again while the restart heals). ``source``: when it starts
+    sending its state to a healing peer (in ``Cluster.run``'s plan: group ``replica`` is killed in its
+    forward, then the live group its rank ``rank`` heals from dies as the heal starts)."""
 
     replica: int
     rank: int
@@ -126,7 +153,8 @@ def shard(model: nn.Sequential, recipe: Recipe, replica: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
-    mesh = init_device_mesh("cpu", (recipe.ranks,))
+    shape = recipe.mesh_shape()
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard") if len(shape) == 2 else None)
     variant = recipe.variant(replica)
     if variant == "ours":
         from fully_shard import fully_shard
@@ -148,9 +176,11 @@ def shard(model: nn.Sequential, recipe: Recipe, replica: int) -> None:
 class _Log:
     """One JSON line per event, flushed at once (the launcher reads it while the rank runs)."""
 
-    def __init__(self, path: Path, replica: int, rank: int) -> None:
+    def __init__(self, path: Path, replica: int, rank: int, incarnation: int | None) -> None:
         self._f = path.open("a")
-        self.base = {"replica": replica, "rank": rank, "pid": os.getpid()}
+        self.base: dict[str, Any] = {"replica": replica, "rank": rank, "pid": os.getpid()}
+        if incarnation is not None:  # (torchrun's restart count; the launcher counts its own restarts)
+            self.base["incarnation"] = incarnation
 
     def __call__(self, ev: str, **fields: Any) -> None:
         self._f.write(json.dumps({"ev": ev, "t": time.time(), **self.base, **fields}) + "\n")
@@ -162,36 +192,47 @@ def _die(log: _Log, phase: str, step: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _watchdog(seconds: float, launcher: int) -> None:
-    """Bounded time for every rank: exit if the launcher process is gone or after ``seconds``."""
+def _watchdog(seconds: float, launcher: int, parent: int | None) -> None:
+    """Bounded time for every rank: exit if the launcher process is gone, if ``parent`` (torchrun's agent)
+    is no longer this process's parent, or after ``seconds``."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
             os.kill(launcher, 0)
         except ProcessLookupError:
             os._exit(125)
+        if parent is not None and os.getppid() != parent:
+            os._exit(125)
         time.sleep(0.5)
     os._exit(124)
 
 
-def worker(recipe: Recipe, replica: int, rank: int, store_port: int, lighthouse: str, out: str, kill: Kill | None,
-           launcher: int) -> None:
+def worker(recipe: Recipe, replica: int, rank: int, store_port: int | None, lighthouse: str, out: str,
+           kill: Kill | None, launcher: int) -> None:
     """One rank of one replica group: train, then save this rank's local state to ``out``. Events go to
-    ``out + ".jsonl"``; ``out + ".arm"`` (written by the launcher) arms a ``Kill``; ``<dir>/go`` starts the
-    first groups together; ``<dir>/stop`` names the step to stop after."""
+    ``out + ".jsonl"``; ``out + ".arm"`` (written by the launcher, removed when read) arms a ``Kill``;
+    ``<dir>/go`` starts the first groups together; ``<dir>/stop`` names the step to stop after.
+    ``store_port=None``: started by torchrun (its rank, store and restart count come from its environment)."""
     started = time.time()
-    threading.Thread(target=_watchdog, args=(recipe.worker_timeout_s, launcher), daemon=True).start()
+    under_torchrun = store_port is None
+    incarnation = int(os.environ["TORCHELASTIC_RESTART_COUNT"]) if under_torchrun else None
+    threading.Thread(target=_watchdog, args=(recipe.worker_timeout_s, launcher,
+                                             os.getppid() if under_torchrun else None), daemon=True).start()
     os.dup2(os.open(out + ".stderr", os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)  # torchft's logs, tracebacks
     os.environ.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
     torch.set_num_threads(1)
-    log = _Log(Path(out + ".jsonl"), replica, rank)
+    log = _Log(Path(out + ".jsonl"), replica, rank, incarnation)
     workdir = Path(out).parent
     from torchft import Manager, ProcessGroupGloo
     from torchft.checkpointing import HTTPTransport
 
-    store = dist.TCPStore("127.0.0.1", store_port, recipe.ranks, is_master=rank == 0,
-                          timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=recipe.ranks, timeout=timedelta(seconds=60))
+    if under_torchrun:  # env://: MASTER_ADDR/MASTER_PORT, a store rank 0 hosts, new at every restart
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+    else:
+        store = dist.TCPStore("127.0.0.1", store_port, recipe.ranks, is_master=rank == 0,
+                              timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=recipe.ranks,
+                                timeout=timedelta(seconds=60))
     model = build_model(recipe, replica)
     shard(model, recipe, replica)
     inner = make_optimizer(model, recipe)
@@ -202,15 +243,22 @@ def worker(recipe: Recipe, replica: int, rank: int, store_port: int, lighthouse:
             begin = time.perf_counter()
             got = super().recv_checkpoint(*args, **kwargs)
             timings["recv_s"] = time.perf_counter() - begin
+            log("recv", seconds=timings["recv_s"])  # (torchft's quorum thread: a state arrived, not yet applied)
             if kill is not None and kill.phase == "heal":
                 _die(log, "heal", -1)
             return got
+
+        def send_checkpoint(self, *args: Any, **kwargs: Any) -> Any:  # the "source" kill point
+            if kill is not None and kill.phase == "source":
+                _die(log, "source", -1)
+            return super().send_checkpoint(*args, **kwargs)
 
     timeout = timedelta(seconds=recipe.timeout_s)
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
                       min_replica_size=1, use_async_quorum=recipe.async_quorum, init_sync=recipe.init_sync,
                       timeout=timeout, quorum_timeout=timeout * 2, connect_timeout=timeout, rank=rank,
-                      world_size=recipe.ranks, store_addr="127.0.0.1", store_port=store_port,
+                      world_size=recipe.ranks, store_addr=os.environ["MASTER_ADDR"] if under_torchrun else "127.0.0.1",
+                      store_port=int(os.environ["MASTER_PORT"]) if store_port is None else store_port,
                       lighthouse_addr=lighthouse, replica_id=f"replica_{replica}", hostname="127.0.0.1",
                       checkpoint_transport=Transport(timeout=timeout, num_chunks=0))
     torch_recipe = recipe.variant(replica) == "torch"
@@ -239,6 +287,7 @@ def worker(recipe: Recipe, replica: int, rank: int, store_port: int, lighthouse:
         while True:
             if kill is None and arm.exists():
                 kill = Kill(**json.loads(arm.read_text()))
+                arm.unlink()  # (a torchrun restart keeps this rank's file names)
                 _arm(model, manager, inner, kill, log)
                 log("armed", phase=kill.phase, step=kill.step)
             before = manager.current_step()
@@ -247,6 +296,9 @@ def worker(recipe: Recipe, replica: int, rank: int, store_port: int, lighthouse:
             idx = sampler.indices(step)
             loss = nn.functional.mse_loss(model(x_all[idx]), y_all[idx])
             loss.backward()
+            manager.wait_quorum()  # (the all-reduces waited for it already)
+            # whether this replica's gradient is in the step's sum, in which quorum (torchft's private id)
+            log("attempt", step=step, quorum=manager._quorum_id, participating=manager.is_participating())
             optimizer.step()
             after = manager.current_step()
             n = manager.num_participants()
@@ -259,7 +311,7 @@ def worker(recipe: Recipe, replica: int, rank: int, store_port: int, lighthouse:
                 log("quorum", step=after, participants=n)
             committed = after > before
             log("step", step=after, committed=committed, participants=n, contributed=contributed,
-                loss=float(loss.detach()))
+                quorum=manager._quorum_id, loss=float(loss.detach()))
             if committed and recipe.record:
                 records.append({"step": after, "contributed": contributed,
                                 "params": _local_state(model, inner)[0]})
@@ -298,7 +350,7 @@ def _local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[li
 
 def _arm(model: nn.Sequential, manager: Any, optimizer: torch.optim.Optimizer, kill: Kill | None, log: _Log) -> None:
     """Install the kill point (``Kill``) in this rank: a hook that SIGKILLs the process when reached."""
-    if kill is None or kill.phase == "heal":
+    if kill is None or kill.phase in ("heal", "source"):  # (the transport's kill points)
         return
     at = kill.step
 
@@ -386,6 +438,35 @@ def _context() -> Any:
     return _CONTEXT
 
 
+class _Torchrun:
+    """One replica group's ``torchrun`` (in a session of its own), standing for each of its ranks' process:
+    torchrun, not the launcher, restarts them."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGTERM: torchrun stops its workers (each also exits when torchrun is gone); SIGKILL after 10 s."""
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            self.join(10)
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.join(10)
+
+
 @dataclasses.dataclass
 class Rank:
     replica: int
@@ -434,6 +515,12 @@ class Cluster:
         self.errors: list[dict[str, Any]] = []  # "error" events of every incarnation
 
     def start_group(self, replica: int, kill: Kill | None = None) -> None:
+        if self.recipe.launcher(replica) == "torchrun":
+            if kill is not None or replica in self.incarnations:
+                raise ValueError(f"replica {replica} runs under torchrun, which restarts it (with no kill planned "
+                                 "for the restart): the launcher starts it once")
+            self._start_torchrun(replica)
+            return
         ctx = _context()
         incarnation = self.incarnations[replica] = self.incarnations.get(replica, -1) + 1
         port = _free_port()
@@ -445,11 +532,34 @@ class Cluster:
             proc.start()
             self.ranks[(replica, rank)] = Rank(replica, rank, incarnation, proc, out)
 
+    def _start_torchrun(self, replica: int) -> None:
+        """``torchrun --standalone --max-restarts`` running this script's ``--worker`` on every rank of the
+        group; its output goes to ``torchrun_r<replica>.log``."""
+        self.incarnations[replica] = 0
+        config = self.workdir / f"torchrun_r{replica}.json"
+        config.write_text(json.dumps({"recipe": self.recipe.to_json(), "replica": replica, "lighthouse": self.address,
+                                      "workdir": str(self.workdir), "launcher": os.getpid()}))
+        root = str(Path(__file__).resolve().parent.parent)
+        # torchrun's shared rendezvous store outlives a restart and keeps the dead ranks' keys (gloo's addresses,
+        # torchft's manager address): a restarted rank reads them and fails to connect (pytorch#135712). Not
+        # shared, rank 0 hosts a new store at every restart (docs/ft.md).
+        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+               "OMP_NUM_THREADS": "1", "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
+               "PYTHONPATH": os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.recipe.ranks}",
+               f"--max-restarts={self.recipe.torchrun_restarts}", "--monitor-interval=0.1",
+               str(Path(__file__).resolve()), "--worker", str(config)]
+        with (self.workdir / f"torchrun_r{replica}.log").open("ab") as out:
+            proc = _Torchrun(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+        for rank in range(self.recipe.ranks):
+            self.ranks[(replica, rank)] = Rank(replica, rank, 0, proc, self.workdir / f"r{replica}_g{rank}.pt")
+
     def kill_group(self, replica: int) -> None:
         for rank in range(self.recipe.ranks):
             r = self.ranks.get((replica, rank))
             if r is not None and r.proc.is_alive():
-                os.kill(r.proc.pid, signal.SIGKILL)
+                r.proc.kill()
         for rank in range(self.recipe.ranks):
             r = self.ranks.get((replica, rank))
             if r is not None:
@@ -459,6 +569,7 @@ class Cluster:
         """Read new log lines; return the ranks that died (any exit without a ``done`` line)."""
         dead = []
         for key, r in self.ranks.items():
+            exited = r.proc.exitcode is not None  # (before its last lines are read: a "done" is not missed)
             log = Path(str(r.out) + ".jsonl")
             if log.exists():
                 with log.open() as f:
@@ -468,7 +579,13 @@ class Cluster:
                 r.read += len(complete)
                 for line in complete.splitlines():
                     ev = json.loads(line)
-                    ev["incarnation"] = r.incarnation
+                    incarnation = ev.setdefault("incarnation", r.incarnation)  # (torchrun's ranks log theirs)
+                    if incarnation > self.incarnations[r.replica]:  # torchrun restarted the group
+                        self.incarnations[r.replica] = incarnation
+                        self.restarts.append({"replica": r.replica, "t": ev.get("started", ev["t"]),
+                                              "incarnation": incarnation})
+                        self.echo(f"[{ev['t']:.2f}] torchrun restarted replica {r.replica}")
+                    r.incarnation = max(r.incarnation, incarnation)
                     self.events.append(ev)
                     self._echo(ev)
                     if ev["ev"] == "done":
@@ -477,7 +594,7 @@ class Cluster:
                         self.kills.append(ev)
                     elif ev["ev"] == "error":
                         self.errors.append(ev)
-            if not r.done and r.proc.exitcode is not None:
+            if not r.done and exited:
                 dead.append(key)
         return dead
 
@@ -502,7 +619,7 @@ class Cluster:
     def close(self) -> None:
         for r in self.ranks.values():
             if r.proc.is_alive():
-                os.kill(r.proc.pid, signal.SIGKILL)
+                r.proc.kill()
         for r in self.ranks.values():
             r.proc.join(10)
         self.lighthouse.shutdown()
@@ -548,6 +665,13 @@ class Cluster:
         for replica in range(self.recipe.groups):
             if replica not in late:
                 self.start_group(replica)
+        torchrun_heals = [k for k in plan if k.phase == "heal" and self.recipe.launcher(k.replica) == "torchrun"]
+        if torchrun_heals:
+            raise ValueError(f"Cluster.run(plan=...): {torchrun_heals[0]}: a kill during the heal of a restart needs "
+                             "the launcher to restart the group, not torchrun")
+        if any(k.phase == "source" for k in plan) and self.recipe.groups - len(expect_failure) < 3:
+            raise ValueError("Cluster.run(plan=...): a 'source' kill needs 3 live replica groups (with 2, the only "
+                             "live copy of the state dies with the source)")
         if (plan or on_healthy) and not self.recipe.hold:
             raise ValueError("Cluster.run(plan=...): the recipe must hold (Recipe(hold=True)): the ranks would stop at "
                              "recipe.steps while kills are still planned")
@@ -564,6 +688,13 @@ class Cluster:
                     del late[replica]
                     self.start_group(replica)
             for replica in sorted({key[0] for key in dead}):
+                if self.recipe.launcher(replica) == "torchrun":  # torchrun gave up: not restarted here
+                    if not any(e["replica"] == replica and e["rank"] == -1 for e in self.errors):
+                        code = self.ranks[(replica, 0)].proc.exitcode
+                        self.errors.append({"ev": "error", "replica": replica, "rank": -1, "t": time.time(),
+                                            "incarnation": self.incarnations[replica],
+                                            "msg": f"torchrun exited with {code} before its ranks finished"})
+                    continue
                 if replica in expect_failure:  # its other ranks fail on their own (the test reads every message)
                     for r in [r for r in self.ranks.values() if r.replica == replica]:
                         r.proc.join(10)
@@ -593,6 +724,12 @@ class Cluster:
                         if kill.phase == "heal":  # killed in its forward, then again while its restart heals
                             self.arm(Kill(kill.replica, kill.rank, "forward", at))
                             restart_kills[(kill.replica, self.incarnations[kill.replica] + 1)] = kill
+                            expected_kills += 2
+                        elif kill.phase == "source":  # killed in its forward; its rank's source dies as it sends
+                            # torchft heals group rank r from the r-th (mod n) up-to-date group, sorted by id
+                            others = sorted(r for r in live if r != kill.replica)
+                            self.arm(Kill(kill.replica, kill.rank, "forward", at))
+                            self.arm(Kill(others[kill.rank % len(others)], kill.rank, "source"))
                             expected_kills += 2
                         else:
                             self.arm(dataclasses.replace(kill, step=at))
@@ -643,6 +780,31 @@ def compare_replicas(report: Report, recipe: Recipe) -> list[str]:
     return problems
 
 
+def contributions(report: Report) -> dict[int, list[int]]:
+    """Committed step ``s`` -> the replica groups whose gradients (of step ``s``'s batches) are in it: the
+    groups whose ranks logged a participating ``attempt`` at manager step ``s - 1`` in the quorum the step
+    committed in (a group killed in the optimizer step logged it and counts; a healing one does not). Raises
+    ``ValueError`` if that differs from the participant count the committing ranks logged."""
+    committed: dict[int, set[tuple[int, int]]] = {}
+    attempts: dict[tuple[int, int], set[int]] = {}
+    for e in report.events:
+        if e["ev"] == "step" and e["committed"]:
+            committed.setdefault(e["step"], set()).add((e["quorum"], e["participants"]))
+        elif e["ev"] == "attempt" and e["participating"]:
+            attempts.setdefault((e["step"], e["quorum"]), set()).add(e["replica"])
+    out = {}
+    for step, seen in sorted(committed.items()):
+        if len(seen) != 1:
+            raise ValueError(f"step {step} committed in several quorums or with several counts: {sorted(seen)}")
+        ((quorum, participants),) = seen
+        groups = sorted(attempts.get((step - 1, quorum), set()))
+        if len(groups) != participants:
+            raise ValueError(f"step {step} (quorum {quorum}): {participants} participants counted, but groups "
+                             f"{groups} logged a participating attempt")
+        out[step] = groups
+    return out
+
+
 def summarize(report: Report, groups: int) -> list[dict[str, Any]]:
     """Per kill: the victim, the phase, seconds from the kill to the survivors' next committed step without
     the victim (a step the victim had already voted for may still commit with it: a kill in the optimizer
@@ -682,14 +844,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill", action="append", metavar="REPLICA:RANK:PHASE",
                     help=f"a kill, in order (phases: {', '.join(PHASES)}); default 1:0:forward then 0:1:heal")
     ap.add_argument("--steps", type=int, default=6, help="steps to train after the last kill healed")
+    ap.add_argument("--torchrun", action="store_true", help="run replica group 1 under torchrun --max-restarts")
+    ap.add_argument("--worker", type=Path, metavar="CONFIG", help=argparse.SUPPRESS)  # a rank under torchrun
     args = ap.parse_args(argv)
+    if args.worker is not None:
+        config = json.loads(args.worker.read_text())
+        rank = int(os.environ["RANK"])
+        out = Path(config["workdir"]) / f"r{config['replica']}_g{rank}.pt"
+        worker(Recipe.from_json(config["recipe"]), config["replica"], rank, None, config["lighthouse"], str(out),
+               None, config["launcher"])
+        return 0
     plan = []
     for text in args.kill or ["1:0:forward", "0:1:heal"]:
         replica, rank, phase = text.split(":")
         if phase not in PHASES:
             ap.error(f"unknown phase {phase!r} in --kill {text}; expected one of {PHASES}")
         plan.append(Kill(int(replica), int(rank), phase))
-    recipe = Recipe(hold=True, step_sleep=0.05)
+    recipe = Recipe(hold=True, step_sleep=0.05, launchers=("fork", "torchrun") if args.torchrun else ())
     workdir = Path(tempfile.mkdtemp(prefix="fully_shard_ft_"))
     print(f"lighthouse on 127.0.0.1 + {recipe.groups} replica groups x {recipe.ranks} CPU ranks (gloo); kills: "
           + ", ".join(f"replica {k.replica} rank {k.rank} during {k.phase}" for k in plan), flush=True)

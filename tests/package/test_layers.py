@@ -118,9 +118,12 @@ def test_import_fully_shard_loads_no_tools() -> None:
             "'safetensors', 'xxhash'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
-    code = "import fully_shard; from fully_shard import checkpoint, profile, auto_wrap; print(checkpoint.__name__)"
+    # the lazy names load; fully_shard.ft itself never imports torchft (the manager is passed in)
+    code = ("import sys, fully_shard; from fully_shard import checkpoint, profile, auto_wrap, ft\n"
+            "from fully_shard.ft import fault_tolerant, StepSampler\n"
+            "print(checkpoint.__name__, ft.__name__, sorted(m for m in sys.modules if m.split('.')[0] == 'torchft'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "fully_shard.checkpoint", out.stdout
+    assert out.stdout.strip() == "fully_shard.checkpoint fully_shard.ft []", out.stdout
 
 
 def test_import_survives_moved_private_torch_names() -> None:
