@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ...core import registry
 from ...core.api import fully_shard
 from ...core.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
 from ...core.state import FSDPState, TrainingState, get_state
@@ -248,6 +249,18 @@ class FullyShardedDataParallel(nn.Module):
         for name, buffer in super().named_buffers(*args, **kwargs):
             yield name.replace(sd.WRAPPED, ""), buffer
 
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict`` under the state-dict type; the whole dict is checked against the
+        model first (keys if ``strict``, shapes always), so a mismatch loads nothing."""
+        token = sd.STRICT.set(strict)
+        try:
+            result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        finally:
+            sd.STRICT.reset(token)
+        for keys in (result.missing_keys, result.unexpected_keys):  # (strict=False) named as the state dict names them
+            keys[:] = [k.replace(sd.WRAPPED, "") for k in keys]
+        return result
+
     # --- training ----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Generator[None, None, None]:
@@ -418,10 +431,13 @@ def _states(wrapper: nn.Module) -> list[tuple[str, FSDPState]]:
 def _check_module(module: Any) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"FullyShardedDataParallel expects an nn.Module, got {type(module).__name__}: {module!r:.80}")
-    if isinstance(module, FullyShardedDataParallel) or get_state(module) is not None:
-        raise ValueError(f"FullyShardedDataParallel: this {type(module).__name__} is already sharded (a wrapper or a "
-                         "fully_shard unit); wrapping it again would shard the shards. Fix: wrap the unwrapped model "
-                         "once.")
+    owned = next((f"{n} ({registry.owner_of(p)})" for n, p in module.named_parameters()
+                  if registry.owner_of(p) is not None), None)
+    if isinstance(module, FullyShardedDataParallel) or get_state(module) is not None or owned is not None:
+        found = f"its parameter {owned} belongs to a unit" if owned else "it is a wrapper or a fully_shard unit"
+        raise ValueError(f"FullyShardedDataParallel: this {type(module).__name__} is already sharded ({found}); "
+                         "wrapping it again would shard the shards. Fix: wrap the unwrapped model once (nested "
+                         "wrappers: wrap the inner modules first, then the outer one).")
 
 
 def _check_mixed_precision(mp: MixedPrecision | None) -> None:

@@ -218,11 +218,23 @@ def _is_size_based(policy: Any) -> bool:
 
 
 def _describe(policy: Any) -> str:
+    """The policy as the user wrote it, the same on every rank (no object addresses)."""
     fn = getattr(policy, "func", None)
     if fn is not None:
-        args = ", ".join(f"{k}={v!r}" for k, v in getattr(policy, "keywords", {}).items())
-        return f"partial({getattr(fn, '__name__', fn)}, {args})"
-    return repr(policy)
+        args = ", ".join(f"{k}={_name(v)}" for k, v in getattr(policy, "keywords", {}).items())
+        return f"partial({_name(fn)}, {args})"
+    if isinstance(policy, (ModuleWrapPolicy, CustomPolicy)) or not hasattr(policy, "__qualname__"):
+        inner = getattr(policy, "_module_classes", None) or getattr(policy, "_lambda_fn", None)
+        return f"{type(policy).__name__}({_name(inner)})" if inner is not None else repr(policy)
+    return _name(policy)
+
+
+def _name(value: Any) -> str:
+    if isinstance(value, (set, frozenset, list, tuple)):
+        return "{" + ", ".join(sorted(_name(v) for v in value)) + "}"
+    if isinstance(value, type) or callable(value):
+        return str(getattr(value, "__qualname__", getattr(value, "__name__", type(value).__name__)))
+    return repr(value)
 
 
 def _classes(root: nn.Module) -> str:

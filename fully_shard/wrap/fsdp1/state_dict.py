@@ -45,6 +45,9 @@ NESTED_ATTR = "_fsdp1_nested"  # inside another FullyShardedDataParallel: the ou
 
 # structure only: the post-hook renames keys and leaves values as held (no gather), for the load check
 _STRUCTURE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp1_structure_only", default=False)
+# the ``strict`` of the wrapper's own load_state_dict call (nn.Module hands its hooks strict=True always);
+# None: loaded through a plain parent module, whose strict is unknown: only shapes are checked up front
+STRICT: contextvars.ContextVar[bool | None] = contextvars.ContextVar("fsdp1_strict", default=None)
 
 
 def default_settings() -> StateDictSettings:
@@ -141,7 +144,7 @@ def load_pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, lo
                   missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
     """Check (outermost wrapper), put this wrapper's prefix back, lay each value out like its parameter."""
     if prefix == "" or not getattr(module, NESTED_ATTR, False):
-        _check_structure(module, state_dict, prefix, strict)
+        _check_structure(module, state_dict, prefix, STRICT.get())
     kind = settings_of(module).state_dict_type
     wrapped = prefix + WRAPPED
     inner = module._modules[WRAPPED[:-1]]
@@ -155,12 +158,12 @@ def load_pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, lo
         state_dict[wrapped + relative] = value
 
 
-def _check_structure(module: nn.Module, state_dict: dict[str, Any], prefix: str, strict: bool) -> None:
+def _check_structure(module: nn.Module, state_dict: dict[str, Any], prefix: str, strict: bool | None) -> None:
     expected = expected_structure(module)
     found = {k[len(prefix):]: _signature(v) for k, v in state_dict.items() if k.startswith(prefix)}
     where = f" under {prefix[:-1]!r}" if prefix else ""
-    check_structure(expected, found, strict=strict,
-                    title=f"load_state_dict: the state dict does not match this {type(module).__name__}{where} "
+    check_structure(expected, found, strict=bool(strict),
+                    title=f"load_state_dict: the state dict does not match this {module._get_name()}{where} "
                           f"({settings_of(module).state_dict_type.name}); nothing was loaded:",
                     fix="load a state dict saved from this model under the same state_dict_type (keys without "
                         "'_fsdp_wrapped_module.'), or strict=False to skip missing/unexpected keys (not shapes)")
