@@ -129,8 +129,7 @@ class FullyShardedDataParallel(nn.Module):
                                                    reduce_dtype=mp.reduce_dtype if mp else None,
                                                    cast_forward_inputs=False),  # FSDP1's casting: forward()
                     offload_policy=CPUOffloadPolicy() if offload.offload_params else OffloadPolicy(),
-                    ignored_params={p for m in modules for p in m._parameters.values()
-                                    if p is not None and id(p) in ignored_params} or None)
+                    ignored_params={p for p in module.parameters() if id(p) in ignored_params} or None)
         state = get_state(self)
         assert state is not None
         for group in state.groups:  # an optimizer built before wrapping steps the sharded parameters
@@ -431,8 +430,9 @@ def _states(wrapper: nn.Module) -> list[tuple[str, FSDPState]]:
 def _check_module(module: Any) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"FullyShardedDataParallel expects an nn.Module, got {type(module).__name__}: {module!r:.80}")
-    owned = next((f"{n} ({registry.owner_of(p)})" for n, p in module.named_parameters()
-                  if registry.owner_of(p) is not None), None)
+    mine = unit_modules(module, ignored_modules=set(), is_wrapped=_is_unit)  # (units inside are fine: nesting)
+    owned = next((f"{n!r} ({registry.owner_of(p)})" for m in mine for n, p in m._parameters.items()
+                  if p is not None and registry.owner_of(p) is not None), None)
     if isinstance(module, FullyShardedDataParallel) or get_state(module) is not None or owned is not None:
         found = f"its parameter {owned} belongs to a unit" if owned else "it is a wrapper or a fully_shard unit"
         raise ValueError(f"FullyShardedDataParallel: this {type(module).__name__} is already sharded ({found}); "
