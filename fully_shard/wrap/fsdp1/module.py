@@ -130,6 +130,8 @@ class FullyShardedDataParallel(nn.Module):
                                                    cast_forward_inputs=False),  # FSDP1's casting: forward()
                     offload_policy=CPUOffloadPolicy() if offload.offload_params else OffloadPolicy(),
                     ignored_params={p for p in module.parameters() if id(p) in ignored_params} or None)
+        cls = type(self)  # fully_shard swapped the class to FSDP<cls> (also a subclass of ours): keep our name,
+        cls.__name__ = cls.__qualname__ = "FullyShardedDataParallel"  # which FSDP1 code may compare as a string
         state = get_state(self)
         assert state is not None
         for group in state.groups:  # an optimizer built before wrapping steps the sharded parameters
