@@ -23,11 +23,11 @@ def torch_fsdp() -> Any:
 
 
 def both_note_models(*, strategy: str = "FULL_SHARD", dtype: str | None = "bfloat16", mesh: Any = None,
-                     extra: str = "") -> tuple[nn.Module, nn.Module]:
+                     extra: str = "", scope: dict[str, Any] | None = None) -> tuple[nn.Module, nn.Module]:
     """(ours: the note's code with this library's imports, torch's: the same code with torch's FSDP1,
-    which needs ``device_id`` to start without a GPU)."""
+    which needs ``device_id`` to start without a GPU). ``extra``: more arguments, naming ``scope``'s."""
     assert not compat.is_patched()
-    names = {"mesh": mesh}
+    names = {"mesh": mesh, **(scope or {})}
     mesh_arg = ", device_mesh=mesh" if mesh is not None else ""
     ours = run_note(note_code(strategy=strategy, dtype=dtype, ours=True,
                               extra=(extra + mesh_arg).lstrip(", ")), **names)

@@ -35,9 +35,12 @@ def _side_by_side(strategy: str, dtype: str | None, hybrid: bool) -> dict[str, A
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         out[name] = train(model, opt, STEPS)
         out[name + "_sd"] = full_state_dict(model)
+    # what FSDP1 code reads of the wrapper's group (NO_SHARD: all W ranks, not the (W, 1) mesh's size-1 dim)
+    attrs = {n: (getattr(ours, n), getattr(theirs, n)) for n in ("rank", "world_size")}
+    attrs["group"] = tuple(dist.get_process_group_ranks(m.process_group) for m in (ours, theirs))
     return {"loss": rel_diffs(out["ours"][0], out["torch"][0]), "norm": rel_diffs(out["ours"][1], out["torch"][1]),
             "state": max_diff(out["ours_sd"], out["torch_sd"]), "losses": out["ours"][0],
-            "torch_losses": out["torch"][0]}
+            "torch_losses": out["torch"][0], "attrs": attrs}
 
 
 @distributed(world_size=2)
@@ -58,6 +61,7 @@ def _check(results: list[dict[str, Any]], dtype: str | None, label: str) -> None
     assert r["loss"] <= tol and r["norm"] <= (2e-6 if dtype is None else BF16_REL), r
     assert r["state"] <= (1e-6 if dtype is None else 5e-2), r
     assert all(res["losses"] == r["losses"] for res in results)  # every rank reports the same global mean
+    assert all(a == b for res in results for a, b in res["attrs"].values()), [res["attrs"] for res in results]
 
 
 @pytest.mark.parametrize("dtype", [None, "bfloat16"], ids=["fp32", "bf16"])
@@ -95,3 +99,24 @@ def _verbatim_after_patch() -> list[float]:
 
 def test_note_code_verbatim_after_patch_torch() -> None:
     _verbatim_after_patch()
+
+
+@distributed(world_size=4)
+def _hybrid_process_groups() -> dict[str, Any]:
+    """HYBRID_SHARD over an (intra_node, inter_node) process-group pair, FSDP1's other way to say the mesh:
+    the same losses as torch's FSDP1 given the same pair, and the attributes FSDP1 code reads."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    pair = (mesh.get_group(1), mesh.get_group(0))
+    ours, theirs = both_note_models(strategy="HYBRID_SHARD", dtype=None, extra="process_group=pair",
+                                    scope={"pair": pair})
+    losses = [train(m, torch.optim.AdamW(m.parameters(), lr=1e-2), STEPS)[0] for m in (ours, theirs)]
+    attrs = {name: (getattr(ours, name), getattr(theirs, name)) for name in ("rank", "world_size")}
+    return {"loss": rel_diffs(*losses), "attrs": attrs,
+            "groups": ours.process_group is pair[0] or dist.get_process_group_ranks(ours.process_group)
+            == dist.get_process_group_ranks(pair[0])}
+
+
+def test_hybrid_over_a_process_group_pair_matches_torch_fsdp1() -> None:
+    for r in _hybrid_process_groups():
+        assert r["loss"] <= FP32_REL and r["groups"], r
+        assert all(a == b for a, b in r["attrs"].values()), r

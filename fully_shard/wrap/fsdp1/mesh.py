@@ -23,7 +23,7 @@ from ..strategy import strategy_kwargs
 __all__ = ["Placement", "compute_device_type", "resolve_placement"]
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
-_HYBRID_MESHES: dict[tuple[Any, ...], DeviceMesh] = {}  # the default hybrid mesh, once per rank set
+_HYBRID_MESHES: dict[tuple[Any, ...], DeviceMesh] = {}  # hybrid meshes made here, once per rank set / group pair
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,11 @@ def resolve_placement(strategy: ShardingStrategy, *, process_group: Any, device_
         raise ValueError(f"FullyShardedDataParallel: the mesh is on {out_mesh.device_type!r} but the module computes "
                          f"on {device_type!r} (device_id or the process group's backend). Fix: build the mesh on "
                          f"{device_type!r} or pass a matching device_id.")
-    shard_group = out_mesh.get_group(out_mesh.ndim - 1)
-    inter = out_mesh.get_group(0) if out_mesh.ndim == 2 else None
+    if out_mesh.ndim == 2 and out_mesh.size(1) == 1:  # NO_SHARD's (W, 1): FSDP1's group is the W ranks
+        shard_group, inter = out_mesh.get_group(0), None
+    else:
+        shard_group = out_mesh.get_group(out_mesh.ndim - 1)
+        inter = out_mesh.get_group(0) if out_mesh.ndim == 2 else None
     return Placement(strategy, out_mesh, bool(kwargs["reshard_after_forward"]), shard_group, inter)
 
 
@@ -100,11 +103,16 @@ def _mesh_of_groups(process_group: Any, hybrid: bool, device_type: str) -> Devic
                          f"inter_node_group), got {process_group!r}. Fix: pass the pair, or "
                          "device_mesh=init_device_mesh(device, (num_nodes, ranks_per_node)).")
     intra, inter = process_group
+    key = (id(intra), id(inter), device_type)
+    if key in _HYBRID_MESHES:  # nested wrappers get the same pair: one exchange
+        return _HYBRID_MESHES[key]
     rows: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(rows, dist.get_process_group_ranks(intra))  # every rank's shard group: the grid's rows
     by_rank = {rank: tuple(row) for row in rows for rank in row}
     grid = torch.tensor([by_rank[r] for r in dist.get_process_group_ranks(inter)], dtype=torch.int)
-    return DeviceMesh.from_group([inter, intra], device_type, mesh=grid, mesh_dim_names=("replicate", "shard"))
+    _HYBRID_MESHES[key] = DeviceMesh.from_group([inter, intra], device_type, mesh=grid,
+                                                mesh_dim_names=("replicate", "shard"))
+    return _HYBRID_MESHES[key]
 
 
 def _default_hybrid_mesh(device_type: str) -> DeviceMesh:

@@ -291,7 +291,9 @@ class FullyShardedDataParallel(nn.Module):
         state.lazy_init()
         if not state.is_root:
             raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP instance")
-        self._check_idle("clip_grad_norm_")
+        if state.training_state is not TrainingState.IDLE:  # (the root's: FSDP1 checks it alone too)
+            raise RuntimeError(f"FullyShardedDataParallel.clip_grad_norm_: the root is in "
+                               f"{state.training_state.name}; call it after backward, before the next forward.")
         params = list(self.parameters())
         total = _clip_grad_norm(params, max_norm, norm_type)
         dtypes = [p.grad.dtype for p in params if p.grad is not None]
