@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ...core import registry
 from ...core.api import fully_shard
+from ...core.module import FSDPModule
 from ...core.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
 from ...core.state import FSDPState, TrainingState, get_state
 from ...core.tree import map_tensors
@@ -51,7 +52,7 @@ __all__ = ["FullyShardedDataParallel"]
 _WRAPPED_NAME = sd.WRAPPED[:-1]  # "_fsdp_wrapped_module"
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(FSDPModule, nn.Module):
     """torch 2.13's ``FullyShardedDataParallel`` constructor and methods on this library's units.
 
     Arguments as torch's (its enums and config objects are accepted as well as this library's):
@@ -65,6 +66,12 @@ class FullyShardedDataParallel(nn.Module):
     are scheduling hints for flat parameters (this library prefetches one unit ahead in both passes),
     the last changes nothing (the original parameters are what is exposed either way).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> FullyShardedDataParallel:
+        # a plain constructor (FSDPModule's __new__ builds the class a unit was swapped from; this class is
+        # an FSDPModule from the start, so fully_shard keeps it: ``type(wrapper) is FullyShardedDataParallel``,
+        # which FSDP1 code such as accelerate's load_fsdp_model tests)
+        return nn.Module.__new__(cls)
 
     def __init__(self, module: nn.Module, process_group: Any = None, sharding_strategy: Any = None,
                  cpu_offload: Any = None, auto_wrap_policy: Any = None,
@@ -130,8 +137,6 @@ class FullyShardedDataParallel(nn.Module):
                                                    cast_forward_inputs=False),  # FSDP1's casting: forward()
                     offload_policy=CPUOffloadPolicy() if offload.offload_params else OffloadPolicy(),
                     ignored_params={p for p in module.parameters() if id(p) in ignored_params} or None)
-        cls = type(self)  # fully_shard swapped the class to FSDP<cls> (also a subclass of ours): keep our name,
-        cls.__name__ = cls.__qualname__ = "FullyShardedDataParallel"  # which FSDP1 code may compare as a string
         state = get_state(self)
         assert state is not None
         for group in state.groups:  # an optimizer built before wrapping steps the sharded parameters
