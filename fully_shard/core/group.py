@@ -137,7 +137,8 @@ class ParamGroup:
 
     @property
     def grad_params(self) -> list[ShardedParam]:
-        return [p for p in self.params if p.requires_grad]
+        """The parameters that require grad now (the sharded parameter's flag, read at every call)."""
+        return [p for p in self.params if p.sharded_param.requires_grad]
 
     def mark_used(self, params: list[ShardedParam]) -> None:
         """A list unit's member ran forward with grad enabled: its ``params`` take part in the next
@@ -153,7 +154,7 @@ class ParamGroup:
         (or holding a gradient), so a member no rank ran keeps ``.grad = None`` as in torch. Under
         ``set_reduce_scatter_unused_params(False)`` only a parameter holding a gradient on this rank
         (torch's default: every rank must then agree on which are unused)."""
-        if not p.requires_grad:
+        if not p.sharded_param.requires_grad:  # (ShardedParam.requires_grad inline: per parameter per reduce)
             return False
         used = self._used is None or id(p) in self._used
         reducer = self.reducer
@@ -166,7 +167,8 @@ class ParamGroup:
 
     def _grad_layout(self) -> tuple[list[ShardedParam], FlatLayout]:
         """The parameters reduced now and their flat layout (the reduce-scatter buffers), rebuilt only
-        when that set changed."""
+        when that set changed (e.g. a parameter frozen or unfrozen between steps: the reducer then builds
+        a new ``ReducePlan`` for the new layout)."""
         key = tuple(map(self._reduced, self.params))
         if self._grad_flat is None or self._grad_flat[0] != key:
             params = [p for p, reduced in zip(self.params, key) if reduced]

@@ -60,7 +60,6 @@ class ShardedParam:
         # CPU offload: the shard and its grad live on the host; every unshard copies it to the device and
         # every reduce copies the grad back (even where both are the CPU: tests run that path on CPU)
         self.offload = offload
-        self.requires_grad = param.requires_grad
         self.global_shape = tuple(param.shape)  # of the DTensor (the whole parameter)
         # Sharding along dim d uses the dim-0 layout of the tensor with d moved to the front.
         self.shard_dim = shard_dim if self.global_shape else 0
@@ -90,12 +89,13 @@ class ShardedParam:
         self._unsharded_storage: torch.UntypedStorage | None = None
         self._unsharded_nbytes = 0
         self.unsharded_accumulated_grad: torch.Tensor | None = None  # no-sync accumulation
-        self.sharded_param: DTensor = self._make_sharded(data)  # an nn.Parameter wrapping a DTensor
+        # an nn.Parameter wrapping a DTensor; its requires_grad is the one flag (``requires_grad``)
+        self.sharded_param: DTensor = self._make_sharded(data, param.requires_grad)
         # A tensor subclass with fsdp_pre/post_all_gather builds its own unsharded form (extension.py)
         self.extension: extension.Extension | None = extension.detect(self)
 
     # --- sharded form -------------------------------------------------------------------------
-    def _make_sharded(self, data: torch.Tensor) -> DTensor:
+    def _make_sharded(self, data: torch.Tensor, requires_grad: bool) -> DTensor:
         data = data.detach()
         if isinstance(data, DTensor):  # already on the FSDP mesh: re-shard its full value
             data = data.full_tensor()
@@ -108,12 +108,12 @@ class ShardedParam:
             local = (local if local.is_meta else local.to(self.storage_device)).contiguous().clone()
         if self.pin_memory and local.device.type == "cpu" and torch.accelerator.is_available():
             local = local.pin_memory()  # CPU offload: pinned host memory for async H2D/D2H copies
-        return self._wrap_local(local)
+        return self._wrap_local(local, requires_grad)
 
-    def _wrap_local(self, local: torch.Tensor) -> DTensor:
+    def _wrap_local(self, local: torch.Tensor, requires_grad: bool) -> DTensor:
         placements = self.spec.replicated if self.layout.replicated else self.spec.sharded
         dtensor = self._dtensor(local, self.spec.mesh, placements)
-        return nn.Parameter(dtensor, requires_grad=self.requires_grad)  # type: ignore[return-value]
+        return nn.Parameter(dtensor, requires_grad=requires_grad)  # type: ignore[return-value]
 
     def _dtensor(self, local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
         """``local`` as this parameter's DTensor on ``mesh`` (its global shape, contiguous strides)."""
@@ -126,6 +126,12 @@ class ShardedParam:
 
     def unmoved(self, t: torch.Tensor) -> torch.Tensor:
         return t.movedim(0, self.shard_dim) if self.shard_dim else t
+
+    @property
+    def requires_grad(self) -> bool:
+        """The sharded parameter's own flag, read at every use: the user may freeze or unfreeze it
+        (``requires_grad_``) between steps, as torch's FSDP2 allows (design/param-lifecycle.md)."""
+        return self.sharded_param.requires_grad
 
     @property
     def orig_dtype(self) -> torch.dtype:
@@ -149,7 +155,6 @@ class ShardedParam:
         current = self.module._parameters.get(self.name)
         if isinstance(current, DTensor) and current is not self.sharded_param:
             self.sharded_param = current
-        self.requires_grad = self.sharded_param.requires_grad
         local = self.sharded_local
         unpinned = (self.pin_memory and local.device.type == "cpu" and torch.accelerator.is_available()
                     and not local.is_pinned())  # e.g. model.to(dtype) made new, pageable host shards
@@ -159,7 +164,7 @@ class ShardedParam:
             host = local.detach().to(self.storage_device)
             if self.pin_memory and host.device.type == "cpu" and torch.accelerator.is_available():
                 host = host.pin_memory()
-            torch.utils.swap_tensors(self.sharded_param, self._wrap_local(host))
+            torch.utils.swap_tensors(self.sharded_param, self._wrap_local(host, self.sharded_param.requires_grad))
 
     def copy_in_parts(self, device: torch.device) -> list[torch.Tensor]:
         """Flat pieces on ``device`` that make this rank's padded shard: the local shard, then zero
@@ -346,9 +351,16 @@ class ShardedParam:
             module._parameters[name] = self.sharded_param  # type: ignore[assignment]
 
     def register_unsharded(self) -> None:
-        assert self.unsharded_param is not None
+        """Register the unsharded parameter, with the sharded one's ``requires_grad`` (set only where the user
+        changed it since the last unshard: ``requires_grad_`` is a C++ call; torch's ``to_unsharded`` does the
+        same), so a parameter frozen or unfrozen between steps gets, or stops getting, its gradient."""
+        unsharded = self.unsharded_param
+        assert unsharded is not None
+        requires_grad = self.sharded_param.requires_grad
+        if unsharded.requires_grad is not requires_grad:
+            unsharded.requires_grad_(requires_grad)
         for module, name in self.slots:
-            module._parameters[name] = self.unsharded_param
+            module._parameters[name] = unsharded
 
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """Pop the gradient autograd accumulated on the unsharded parameter (plus no-sync sums); a TP
