@@ -221,17 +221,28 @@ class Reducer:
         item.output = item.cpu_input.view(-1, item.flat.shard_numel)[self.mesh_info.shard_rank].clone()
         item.cpu_input = None
 
-    def finish(self) -> None:
-        """Wait for the reduce-scatters (and HSDP all-reduces) in flight; run the all-reduce hook and
-        the divide factor; assign sharded grads."""
-        if not self.pending:
-            return
+    def settle(self) -> None:
+        """Wait for the reduce-scatters (and HSDP all-reduces) in flight and let their inputs go: this rank's
+        host only, nothing issued, no hook run, no grad assigned (``finish`` does those). ``ReduceQueue``'s
+        CPU budget calls it where an input does not fit in memory: the wait is this rank's own decision,
+        since it orders no collective."""
         for item in self.pending:
             item.reduce_scatter.wait(item.comm)
             if item.all_reduce is not None:
                 item.all_reduce.wait(item.comm)
             if item.in_place and item.cpu_input is not None:  # no future: the row is taken here
                 self._take_row(item)
+            item.cpu_input = None
+
+    def finish(self) -> None:
+        """Wait for the reduce-scatters (and HSDP all-reduces) in flight (``settle``); run the all-reduce hook
+        and the divide factor; assign sharded grads (running their post-accumulate-grad hooks). The hooks
+        may issue collectives, so ``ReduceQueue`` calls it at a point every rank agrees on."""
+        if not self.pending:
+            return
+        if not self.pending[-1].reduce_scatter.waited:  # (settled already where the CPU budget said so)
+            self.settle()
+        for item in self.pending:
             if item.output is not None:
                 if self.settings.all_reduce_hook is not None:
                     self._run_all_reduce_hook(item.output, item.comm)
@@ -310,7 +321,7 @@ class Reducer:
 @dataclass(frozen=True)
 class ReduceBytes:
     """One unit's reduce as ``ReduceQueue`` budgets it: what it holds in flight, what it leaves, and what
-    the unit's backward let go (the same on every rank: shapes only)."""
+    the unit's backward let go (this rank's shapes: it decides only when the host waits)."""
 
     input: int  # the reduce input: the unit's unsharded gradients in the reduce dtype
     kept: int  # the sharded gradients it leaves on this rank (input / shard ranks)
@@ -337,15 +348,17 @@ class ReduceQueue:
     unit's backward and is finished just before that unit allocates its own, so two reduce inputs never
     coexist. ``max_in_flight = 0`` finishes each reduce at once (no overlap).
 
-    On CPU a reduce stays in flight only where its input fits in what the backward has released so far
+    On CPU a reduce's input stays held only where it fits in what the backward has released so far
     (``budgeted``; design/data-path.md): held behind the next unit's backward, the input adds to the
     memory there, and the step's peak is where the most activations are held, at the backward's start.
     ``released`` counts, over the reduces pushed since the backward began, the activations each unit's
-    backward let go (``ReduceBytes.released``, a lower bound) less the sharded gradients it left
-    (``ReduceBytes.kept``, which the backward adds); a reduce whose ``input`` exceeds it finishes at once.
-    Shapes only, so every rank that runs the same shapes decides alike (a finish runs the all-reduce hook
-    and the post-accumulate-grad hooks, which may issue collectives: no decision may depend on timing or
-    RSS)."""
+    backward let go (``ReduceBytes.released``, a lower bound, from this rank's forward shapes) less the
+    sharded gradients it left (``ReduceBytes.kept``, which the backward adds); a reduce whose ``input``
+    exceeds it is settled at once (``Reducer.settle``: the host waits for its collective and the input
+    goes). That decision is this rank's own (ranks with other batch shapes decide otherwise): it only
+    waits. When a reduce *finishes* (its all-reduce hook, divide factor, grads and post-accumulate-grad
+    hooks, which may issue collectives) depends on the limit alone, the same on every rank: so does every
+    decision that orders collectives."""
 
     def __init__(self, *, accelerated: bool) -> None:
         self.max_in_flight = 2 if accelerated else 1
@@ -365,16 +378,17 @@ class ReduceQueue:
             self._reducers.popleft().finish()
 
     def push(self, reducer: Reducer, nbytes: ReduceBytes | None = None) -> None:
-        """Queue ``reducer``'s newest reduce (``nbytes``: its bytes; None: unknown, finished at once on
-        CPU) and finish the oldest beyond the limit."""
+        """Queue ``reducer``'s newest reduce (``nbytes``: its bytes; None: unknown, settled at once on CPU)
+        and finish the oldest beyond the limit."""
         if reducer not in self._reducers:
             self._reducers.append(reducer)
-        limit = self._limit(reducer)
-        if self.budgeted and reducer.settings.max_input_buffers is None:
+        k = reducer.settings.max_input_buffers
+        if self.budgeted and k is None:
             if nbytes is not None:
                 self.released += nbytes.released - nbytes.kept
             if nbytes is None or self.released < nbytes.input:
-                limit = 0
+                reducer.settle()  # its input goes now; its finish stays where the limit puts it
+        limit = self.max_in_flight if k is None else k  # (_limit, inline: once per reduce)
         while len(self._reducers) > limit:  # 0: finish right away (no overlap)
             self._reducers.popleft().finish()
 

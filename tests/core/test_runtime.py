@@ -94,13 +94,14 @@ def _event_order() -> list[list[str]]:
         # backward: the root kept its params (reshard_after_forward=None -> False for the root)
         # (a unit reshards as soon as its grads are taken, then reduce-scatters them: lower peak memory)
         "all_gather blocks.2", "unshard blocks.2", "reshard blocks.2", "reduce_scatter blocks.2",
-        # on CPU a reduce stays in flight only once the backward has released its input's bytes
-        # (ReduceQueue): a block's weights kept 128 rows x 337 input features in fp32 (168.5 KiB) and
-        # it leaves a 66 KiB shard: 102 KiB released after blocks.2 < its 132 KiB input: finished at once
-        "reduce_done blocks.2",
-        # 205 KiB after blocks.1: from then on one reduce-scatter stays in flight behind the next unit's
-        # backward; it is finished (grads assigned) just before that unit takes its grads and allocates its own buffers
-        "all_gather blocks.1", "unshard blocks.1", "reshard blocks.1", "reduce_scatter blocks.1",
+        # on CPU a reduce's input stays held only once the backward has released its bytes (ReduceQueue):
+        # a block's weights kept 128 rows x 337 input features in fp32 (168.5 KiB) and it leaves a 66 KiB
+        # shard: 102 KiB released after blocks.2 < its 132 KiB input: the host waits for it at once (its
+        # input goes), but it finishes (hooks, grads) where the limit puts every reduce, whatever the shapes:
+        # just before the next unit takes its grads and allocates its own buffers (205 KiB after blocks.1:
+        # from then on one input stays in flight behind the next unit's backward)
+        "all_gather blocks.1", "unshard blocks.1", "reduce_done blocks.2", "reshard blocks.1",
+        "reduce_scatter blocks.1",
         "all_gather blocks.0", "unshard blocks.0", "reduce_done blocks.1", "reshard blocks.0",
         "reduce_scatter blocks.0",
         "reduce_done blocks.0", "reshard <root>", "reduce_scatter <root>",
