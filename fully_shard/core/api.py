@@ -15,11 +15,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
-from ..interop.composable import check_not_replicated, mark_fully_shard
-from ..interop.dynamo import mark_managed
 from ..parallel.mesh import DataParallelMeshDims, MeshInfo, default_mesh, describe_mesh, subgroup
 from . import registry
 from .checks import check_same_call, describe_call
+from .composable import check_not_replicated, mark_fully_shard
+from .dynamo import mark_managed
 from .group import ParamGroup
 from .module import FSDPModule
 from .param import ShardedParam

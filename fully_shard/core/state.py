@@ -16,9 +16,9 @@ import torch.nn as nn
 
 from ..comm.streams import CommContext
 from ..comm.trace import Phase
-from ..interop.dynamo import eager
 from ..parallel.mesh import MeshInfo
 from .checks import check_not_meta
+from .dynamo import eager
 from .group import GroupState, ParamGroup, ReduceQueue
 from .param import ShardedParam
 from .policy import MixedPrecisionPolicy
