@@ -64,6 +64,13 @@ def test_collectives_are_called_from_comm_and_the_stated_exceptions() -> None:
     assert not stray, "torch.distributed collectives called outside comm/ (design/overview.md):\n" + "\n".join(stray)
 
 
+def test_the_core_orders_streams_only_through_comm_context_verbs() -> None:
+    """No file of core/ calls ``wait_stream``, ``record_event``, ``wait_event`` or enters a stream context:
+    the whole protocol of an all-gather and of a reduce is ``CommContext``'s (comm/streams.py)."""
+    stray = [call for path in sorted((ROOT / "core").rglob("*.py")) for call in _stream_calls(path)]
+    assert not stray, "stream ordering outside comm/streams.py (design/streams.md):\n" + "\n".join(stray)
+
+
 def test_the_scans_see_what_they_look_for() -> None:
     """Both scans find real calls: the collectives in comm/, the stream protocol in comm/streams.py."""
     assert any(".all_reduce" in c for c in _collective_calls(ROOT / "comm" / "collectives.py"))
