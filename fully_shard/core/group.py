@@ -85,8 +85,9 @@ class ParamGroup:
         self.gather_plan: GatherPlan | None = None  # built at lazy init (_plan_gather)
         # the gathered buffer, its collective and its trace event, between unshard and wait_for_unshard
         self._pending_unshard: tuple[torch.Tensor, Pending, trace.TraceEvent | None] | None = None
-        # reshard_after_forward=k: the block kept at reshard and the event recorded on compute after it
-        self._kept: tuple[torch.Tensor, Any] | None = None
+        # reshard_after_forward=k: the block kept at reshard, and the event recorded on compute after it
+        self._partial_shard: torch.Tensor | None = None
+        self._partial_shard_event: Any = None
         # the reduce side: which parameters take part, its settings, flags, reduces in flight
         self.reducer = Reducer(fqn, mesh_info, device, data_parallel_world)
         self.reshard_after_backward = True
@@ -235,8 +236,9 @@ class ParamGroup:
         assert plan is not None  # (built at lazy init, which _comm checked)
         with grad_mode.no_grad():
             if partial:  # reshard_after_forward=k: gathered within the k-rank subgroup from the kept block
-                assert self._kept is not None and plan.gather_kept is not None
-                (block, written), self._kept = self._kept, None
+                block, written = self._partial_shard, self._partial_shard_event
+                assert block is not None and plan.gather_kept is not None
+                self._partial_shard = self._partial_shard_event = None
                 out, pending = ctx.all_gather(functools.partial(plan.copy_in_kept, block), plan.gather_kept,
                                               after=written, hold=block)
             else:
@@ -283,7 +285,7 @@ class ParamGroup:
             self.wait_for_unshard(phase)
         if self.state is not GroupState.UNSHARDED:
             if self.state is GroupState.PARTIALLY_SHARDED and not partial:
-                self._kept = None
+                self._partial_shard = self._partial_shard_event = None
                 self.state = GroupState.SHARDED
             return
         plan = self.gather_plan
@@ -292,13 +294,14 @@ class ParamGroup:
         if keep:
             with grad_mode.no_grad():
                 block = plan.kept()
-            self._kept = (block, self._comm.compute_event())  # (its copy-in, on another stream, follows it)
+            self._partial_shard = block
+            self._partial_shard_event = self._comm.compute_event()  # (its copy-in, on another stream, follows it)
         plan.free()
         self._register(unsharded=False)
         # (UNSHARDED -> new: checked on entry, as _transition would)
         self.state = GroupState.PARTIALLY_SHARDED if keep else GroupState.SHARDED
         if trace.observers:
-            kept = self._kept[0] if keep and self._kept is not None else None
+            kept = self._partial_shard if keep else None
             self._emit(trace.EventKind.RESHARD, phase, nbytes=kept.nbytes if kept is not None else 0)
 
     def reset(self) -> None:
