@@ -33,6 +33,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from ..comm import collectives
@@ -282,7 +283,7 @@ class GatherPlan:
                 parts.append(write.view(world, size)[rows])
             else:  # Shard(d > 0): the unsharded value in the communication layout, padded
                 flat = write.view(p.unsharded_shape).movedim(p.shard_dim, 0).reshape(-1)
-                parts.append(torch.nn.functional.pad(flat, (0, world * size - flat.numel())).view(world, size)[rows])
+                parts.append(F.pad(flat, (0, world * size - flat.numel())).view(world, size)[rows])
         return torch.cat(parts, dim=1).view(-1)
 
     def copy_in_kept(self, block: torch.Tensor) -> torch.Tensor:
