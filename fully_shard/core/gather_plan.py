@@ -27,7 +27,6 @@ The k-partial all-gather gathers a plain unit's segments over a k-rank subgroup 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -176,6 +175,8 @@ class GatherPlan:
                 self.outs.append(None)
                 self.splits.append(block_pad)
         self.staged = tuple(staged)
+        # (asked once here: ``None in outs`` would compare every tensor with None, a torch call each)
+        self.fresh = any(o is None for o in self.outs)
         self.agreed: _Agreed | None = agreed.agreed if agreed is not None else None
         self._agreed_inputs: dict[int, list[torch.Tensor] | str] | None = None  # the first unshard's (agree)
 
@@ -314,15 +315,11 @@ class GatherPlan:
                                        blocks.block_size, self.param_dtype)
         else:
             rows = out.view(self.world, self.flat.shard_numel)
-        self._split(rows, self.outs, self.splits)
-
-    def _split(self, rows: torch.Tensor, outs: list[torch.Tensor | None], splits: Sequence[int]) -> None:
-        """``split_with_sizes_copy`` of ``rows`` into ``outs``, a fresh buffer where ``outs`` holds None;
-        then the staged parameters' copies."""
-        if None in outs:
-            outs = [o if o is not None else rows.new_empty((rows.shape[0], n)) for o, n in zip(outs, splits)]
+        outs = self.outs
+        if self.fresh:  # a fresh buffer where the rows are not a storage (staged, block padding)
+            outs = [o if o is not None else rows.new_empty((rows.shape[0], n)) for o, n in zip(outs, self.splits)]
         if outs:
-            torch.split_with_sizes_copy(rows, splits, dim=1, out=outs)  # type: ignore[arg-type]
+            torch.split_with_sizes_copy(rows, self.splits, dim=1, out=outs)  # type: ignore[arg-type]
         for s in self.staged:
             _write_staged(s, outs[s.index])  # type: ignore[arg-type]  # (filled above)
 
