@@ -304,7 +304,8 @@ class CommContext:
         iteration (torch waits once, too: later copy-ins, backward prefetches included, would only
         queue behind unrelated compute): after the compute stream, or after ``set_post_optim_event``'s
         event only. On CPU the host already runs the step first; the event (``torch.Event`` or any
-        object with ``synchronize()`` or ``wait()``) is waited on the host. ``new_iteration`` re-arms it."""
+        object with ``synchronize()`` or ``wait()``) is waited on the host. ``start_forward`` and
+        ``end_backward(step_ended=True)`` re-arm it."""
         if self.copy_in_ordered:
             return
         self.copy_in_ordered = True
