@@ -15,11 +15,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
-from ..interop.composable import check_not_replicated, mark_fully_shard
-from ..interop.dynamo import mark_managed
 from ..parallel.mesh import DataParallelMeshDims, MeshInfo, default_mesh, describe_mesh, subgroup
 from . import registry
 from .checks import check_same_call, describe_call
+from .composable import check_not_replicated, mark_fully_shard
+from .dynamo import mark_managed
 from .group import ParamGroup
 from .module import FSDPModule
 from .param import ShardedParam
@@ -90,8 +90,9 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
                          k_subgroup if info is mesh_info else None, all_gather_policy=all_gather_policy,
                          data_parallel_world=world)
               for info in meshes.used]
+    for group in groups:
+        group.register_sharded()
     for p in params:
-        p.register_sharded()
         registry.set_owner(p.sharded_param, f"{unit_name} (param {p.fqn!r})")
     registry.announce_sharded(params, [p for p, _ in slots])  # e.g. the local-shard optimizer step (optim/)
     state = FSDPState(modules, groups, mesh_info, device, mp_policy, reshard_after_forward)
