@@ -217,7 +217,7 @@ def test_synchronize_reads_the_blocks_under_the_lock() -> None:
             thread = threading.Thread(target=lambda: (device.synchronize(), finished.set()))
             thread.start()
             assert not finished.wait(0.2)  # blocked on the lock
-        thread.join(5)
+        thread.join(60)
     assert finished.is_set()
 
 
