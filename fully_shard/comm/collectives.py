@@ -53,14 +53,28 @@ def segment(buffer: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return buffer.narrow(0, rank * block, block)
 
 
+# --- one rank ---------------------------------------------------------------------------------------
+_at_world_one = False  # issue_at_world_one(True): the collectives run over one rank too
+
+
+def issue_at_world_one(enabled: bool) -> bool:
+    """Issue the all-gather and the reduce-scatter as collectives even over one rank (default False: as
+    torch's FSDP2, one rank skips the all-gather and copies its reduce input); returns the previous
+    setting. For checks: at world 1 on NCCL the collective kernels then run on the side streams
+    (tests/gpu/delay.py), with the same results."""
+    global _at_world_one
+    previous, _at_world_one = _at_world_one, bool(enabled)
+    return previous
+
+
 # --- all-gather ------------------------------------------------------------------------------------
 def all_gather(over: SubgroupInfo, out: torch.Tensor, async_op: bool, *, comm: Any = None) -> dist.Work | None:
     """In-place all-gather over ``over`` (the shard group or a k-subgroup) of this rank's segment of
     ``out`` into the whole of ``out``, by ``comm(output_tensor=, input_tensor=, group=, async_op=)`` when
     a custom all-gather is set. Over one rank the segment is the whole buffer: no collective
-    (as torch's FSDP2; NO_SHARD's one-rank shard groups too). A group's plan binds ``over`` and ``comm``
-    once (``GatherPlan.gather``)."""
-    if over.world == 1:
+    (as torch's FSDP2; NO_SHARD's one-rank shard groups too) unless ``issue_at_world_one(True)``. A
+    group's plan binds ``over`` and ``comm`` once (``GatherPlan.gather``)."""
+    if over.world == 1 and not _at_world_one:
         return None
     inp = segment(out, over.rank, over.world)
     if comm is not None:
@@ -147,8 +161,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGrou
                    async_op: bool, *, comm: Any = None) -> dist.Work | None:
     """``out`` = this rank's segment of ``inp`` reduced over ``group`` (by ``comm(output_tensor=,
     input_tensor=, group=, op=, async_op=)`` when a custom reduce-scatter is set); over one rank
-    (``inp`` is one segment) a copy, no collective."""
-    if out.numel() == inp.numel():
+    (``inp`` is one segment) a copy, no collective, unless ``issue_at_world_one(True)``."""
+    if out.numel() == inp.numel() and not _at_world_one:
         out.copy_(inp)
         return None
     if comm is not None:

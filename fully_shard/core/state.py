@@ -382,7 +382,11 @@ class FSDPState:
         for state in root.states:
             self._reduce([g for g in state.groups if g.has_unsharded_grads()])
             for group in state.groups:
-                if group.state is not GroupState.SHARDED and group.reshard_after_backward:
+                # an all-gather a prefetch issued for a unit whose backward never ran: dropped whatever
+                # reshard_after_backward says (as torch), else the next forward would use it, gathered
+                # before the optimizer step, and the step would write shards its copy-in may still read
+                if group.state is GroupState.UNSHARDING or (
+                        group.state is not GroupState.SHARDED and group.reshard_after_backward):
                     group.reshard(Phase.BACKWARD)
                 if group.reducer.requires_gradient_sync:
                     group.reducer.clear_used()
