@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ...comm.collectives import all_gather_object
 from ...core.policy import ShardingStrategy
 from ...parallel.mesh import default_device_type
 from ..strategy import strategy_kwargs
@@ -106,8 +107,9 @@ def _mesh_of_groups(process_group: Any, hybrid: bool, device_type: str) -> Devic
     key = (id(intra), id(inter), device_type)
     if key in _HYBRID_MESHES:  # nested wrappers get the same pair: one exchange
         return _HYBRID_MESHES[key]
-    rows: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, dist.get_process_group_ranks(intra))  # every rank's shard group: the grid's rows
+    world = dist.group.WORLD
+    assert world is not None  # (the default group exists: the pair was made from it)
+    rows = all_gather_object(dist.get_process_group_ranks(intra), world)  # every rank's shard group: the grid's rows
     by_rank = {rank: tuple(row) for row in rows for rank in row}
     grid = torch.tensor([by_rank[r] for r in dist.get_process_group_ranks(inter)], dtype=torch.int)
     _HYBRID_MESHES[key] = DeviceMesh.from_group([inter, intra], device_type, mesh=grid,

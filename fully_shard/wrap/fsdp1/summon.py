@@ -55,9 +55,11 @@ def summon(states: Iterable[tuple[str, FSDPState]], *, writeback: bool, rank0_on
     _check(states, writeback, rank0_only, offload_to_cpu, with_grads)
     keep = not rank0_only or dist.get_rank() == 0
     summoned: list[_Summoned] = []
+    groups = []
     try:
         for _, state in states:
             for group in state.groups:
+                groups.append(group)
                 group.reshard()  # the slots hold the sharded DTensors again (a root kept its gathered params)
                 for sp in group.params:
                     summoned.append(_gather(sp, keep, offload_to_cpu, with_grads))
@@ -70,7 +72,8 @@ def summon(states: Iterable[tuple[str, FSDPState]], *, writeback: bool, rank0_on
         for item in summoned:
             if writeback and item.full is not None:
                 _write_back(item.sharded, item.full)
-            item.sp.register_sharded()
+        for group in groups:
+            group.register_sharded()  # the sharded DTensors in every slot again
 
 
 def _gather(sp: ShardedParam, keep: bool, offload_to_cpu: bool, with_grads: bool) -> _Summoned:
