@@ -1,8 +1,8 @@
 """fully_shard: FSDP2 (ZeRO-3) on DTensor. Public API only; see README.md and design/overview.md.
 
 The core (``fully_shard``, ``FSDPModule``, policies, clipping) is imported here; the applications on it
-(``checkpoint``, the profiler, the wrap planner) are imported on first use of their names, so
-``import fully_shard`` loads neither safetensors nor the tools.
+(``checkpoint``, the profiler, the wrap planner, ``ft``) are imported on first use of their names, so
+``import fully_shard`` loads neither safetensors, the tools nor torchft.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from .optim.clip import clip_grad_norm_, total_grad_norm
 from .parallel.mesh import DataParallelMeshDims
 
 if TYPE_CHECKING:
-    from . import checkpoint
+    from . import checkpoint, ft
     from .tools.profile import Profiler, profile
     from .wrap import (
+        FullyShardedDataParallel,
         GranularityPolicy,
         ModuleClassPolicy,
         ParamCountPolicy,
@@ -41,14 +42,33 @@ if TYPE_CHECKING:
         plan_wrap,
         strategy_kwargs,
     )
+    from .wrap.fsdp1 import (
+        BackwardPrefetch,
+        CPUOffload,
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        LocalOptimStateDictConfig,
+        LocalStateDictConfig,
+        MixedPrecision,
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+        StateDictSettings,
+        StateDictType,
+    )
+
+# FSDP1's option types (wrap/fsdp1/options.py), beside the existing ShardingStrategy
+_FSDP1_NAMES = ("BackwardPrefetch", "CPUOffload", "FullOptimStateDictConfig", "FullStateDictConfig",
+                "LocalOptimStateDictConfig", "LocalStateDictConfig", "MixedPrecision", "ShardedOptimStateDictConfig",
+                "ShardedStateDictConfig", "StateDictSettings", "StateDictType")
 
 # name -> the module that defines it, imported on first access (PEP 562)
 _LAZY = {
-    "checkpoint": "fully_shard.checkpoint",
+    "checkpoint": "fully_shard.checkpoint", "ft": "fully_shard.ft",
     "Profiler": "fully_shard.tools.profile", "profile": "fully_shard.tools.profile",
     **{name: "fully_shard.wrap" for name in (
         "GranularityPolicy", "ModuleClassPolicy", "ParamCountPolicy", "PredicatePolicy", "UnitReport", "WrapPlan",
-        "auto_wrap", "plan_wrap", "strategy_kwargs")},
+        "auto_wrap", "plan_wrap", "strategy_kwargs", "FullyShardedDataParallel")},
+    **{name: "fully_shard.wrap.fsdp1" for name in _FSDP1_NAMES},
 }
 
 
@@ -57,7 +77,7 @@ def __getattr__(name: str) -> Any:
     if target is None:
         raise AttributeError(f"module 'fully_shard' has no attribute {name!r}")
     module = importlib.import_module(target)
-    value = module if name == "checkpoint" else getattr(module, name)
+    value = module if name in ("checkpoint", "ft") else getattr(module, name)
     globals()[name] = value
     return value
 
@@ -68,11 +88,19 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AllGatherPolicy",
+    "BackwardPrefetch",
+    "CPUOffload",
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "EventKind",
     "FSDPModule",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "FullyShardedDataParallel",
     "GranularityPolicy",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
+    "MixedPrecision",
     "MixedPrecisionPolicy",
     "ModuleClassPolicy",
     "OffloadPolicy",
@@ -82,7 +110,11 @@ __all__ = [
     "Profiler",
     "QuantizedAllGather",
     "ShardPlacement",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
     "ShardingStrategy",
+    "StateDictSettings",
+    "StateDictType",
     "UnitReport",
     "UnshardHandle",
     "WrapPlan",
@@ -90,6 +122,7 @@ __all__ = [
     "checkpoint",
     "clip_grad_norm_",
     "default_init",
+    "ft",
     "fully_shard",
     "materialize_meta_module",
     "plan_wrap",

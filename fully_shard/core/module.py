@@ -168,7 +168,9 @@ class FSDPModule:
             if stream is not None and group.mesh_info.replicate_group is not None:
                 raise ValueError("set_all_reduce_hook: stream cannot be set with HSDP (the hook runs on the "
                                  "all-reduce stream). Fix: pass stream=None.")
-            if stream is not None and group.device.type == "cpu":
+            # (after lazy init the unit's context says: the stream stand-in gives CPU units streams)
+            has_streams = group.comm.accelerated if group.comm is not None else group.device.type != "cpu"
+            if stream is not None and not has_streams:
                 raise ValueError("set_all_reduce_hook: device 'cpu' has no streams; the hook runs on the host "
                                  "after the reduce-scatter finished. Fix: pass stream=None.")
             group.reducer.settings.all_reduce_hook = hook
@@ -306,12 +308,15 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     method = getattr(module, method_name, None)
     if method is None:
         raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
-    orig = getattr(type(module), method_name)
+    # the class's function (registering twice wraps once); else the bound method, e.g. an FSDP1 wrapper's
+    # ``generate`` reached through its wrapped module (transformers' Trainer registers it)
+    orig = getattr(type(module), method_name, None)
+    call = functools.partial(orig, module) if orig is not None else method
 
-    @functools.wraps(orig)
+    @functools.wraps(orig if orig is not None else method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = state.pre_forward_hook(module, args, kwargs)
-        output = orig(module, *args, **kwargs)
+        output = call(*args, **kwargs)
         return state.post_forward_hook(module, args, kwargs, output)
 
     setattr(module, method_name, wrapped)

@@ -27,6 +27,9 @@ Names touched (each only where torch 2.13 defines it; module -> names):
 ``torch.distributed.pipelining.schedules``              FSDPModule, UnshardHandle (bound at its import)
 =====================================================  =============================================
 
+While patched, this library's ``FSDPModule`` also has torch's private ``_get_fsdp_state()`` (torchtitan's torchft
+path sets ``_fsdp_param_groups[i]._all_reduce_hook`` through it; removed again by ``unpatch_torch()``).
+
 Left alone on purpose (design/compat.md has the reasons): torch's implementation modules
 (``_fully_shard._fully_shard``, ``_fsdp_api``, ``_fsdp_common``, ``_fsdp_init``, ``_fsdp_param_group``,
 ``_fsdp_state``), so torch's own fully_shard keeps working side by side while patched;
@@ -37,7 +40,7 @@ and a mesh: per-parameter meshes, design/experts.md); ``torch.distributed._tools
 fsdp2_mem_tracker`` (it wraps torch's ``FSDPParamGroup`` methods, so it keeps seeing only torch's
 units); ``torch.distributed.checkpoint.state_dict`` (imports only FSDP1 names; it works on the
 DTensor state dicts as is). Dynamo's two module flags (``_is_fsdp_managed_module``,
-``_fsdp_use_orig_params``) are set by this library's own ``fully_shard`` (dynamo.py), patched or not.
+``_fsdp_use_orig_params``) are set by this library's own ``fully_shard`` (core/dynamo.py), patched or not.
 """
 
 from __future__ import annotations
@@ -132,6 +135,10 @@ def _offload_policy(value: Any) -> OffloadPolicy:
 
 
 def _ours(name: str) -> object:
+    if name in ("FullyShardedDataParallel", "FSDP"):
+        from ..wrap.fsdp1 import FullyShardedDataParallel  # imported on use: `import fully_shard.compat` stays light
+
+        return FullyShardedDataParallel
     ours: dict[str, object] = {
         "share_comm_ctx": share_comm_ctx, "fully_shard": fully_shard, "FSDPModule": FSDPModule,
         "UnshardHandle": UnshardHandle, "MixedPrecisionPolicy": MixedPrecisionPolicy, "OffloadPolicy": OffloadPolicy,
@@ -140,27 +147,41 @@ def _ours(name: str) -> object:
 
 
 # --- patch / unpatch -----------------------------------------------------------------------------
-def patch_torch() -> list[str]:
-    """Rebind torch's FSDP2 names (table in this module's docstring) to this library. Idempotent;
-    returns the ``module.name`` entries now bound to this library's objects."""
+# patch_torch(fsdp1=True) also rebinds torch's FSDP1 class (FSDP1 code: accelerate's fsdp_version=1, verl's
+# strategy=fsdp, Lightning's FSDPStrategy) to fully_shard.FullyShardedDataParallel (wrap/fsdp1/,
+# design/fsdp1.md): where torch defines it and where torch's own modules bound it at their import. Its
+# enums and configs stay torch's: the class reads torch's objects as its own.
+FSDP1_TARGETS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("torch.distributed.fsdp", ("FullyShardedDataParallel",)),
+    ("torch.distributed.fsdp.fully_sharded_data_parallel", ("FullyShardedDataParallel",)),
+    ("torch.distributed.checkpoint.state_dict", ("FSDP",)),
+    ("torch.distributed.optim.named_optimizer", ("FSDP",)),
+    ("torch.distributed.algorithms._optimizer_overlap.optimizer_overlap", ("FullyShardedDataParallel",)),
+)
+
+
+def patch_torch(*, fsdp1: bool = False) -> list[str]:
+    """Rebind torch's FSDP2 names (table in this module's docstring) to this library, and with ``fsdp1``
+    its FSDP1 class too (``FSDP1_TARGETS``). Idempotent (a later call with ``fsdp1=True`` adds the FSDP1
+    names); returns the ``module.name`` entries now bound to this library's objects."""
     with _LOCK:
-        if not _SAVED:
-            # Import every target first: a module imported while torch.distributed.fsdp is already
-            # patched (pipelining, the legacy path) would bind our objects at its import, and those
-            # would then be "restored" by unpatch_torch().
-            modules = []
-            for modname, names in TARGETS:
-                try:
-                    importlib.import_module(modname)
-                except ImportError:  # an older torch without this module: nothing to rebind there
-                    continue
-                modules.append((sys.modules[modname], modname, names))
-            for mod, modname, names in modules:
-                for name in names:
-                    if name in vars(mod):
-                        _SAVED[(modname, name)] = vars(mod)[name]
-            for (modname, name) in _SAVED:
-                setattr(sys.modules[modname], name, _ours(name))
+        # Import every target first: a module imported while torch.distributed.fsdp is already
+        # patched (pipelining, the legacy path) would bind our objects at its import, and those
+        # would then be "restored" by unpatch_torch().
+        modules = []
+        for modname, names in TARGETS + (FSDP1_TARGETS if fsdp1 else ()):
+            try:
+                importlib.import_module(modname)
+            except ImportError:  # an older torch without this module: nothing to rebind there
+                continue
+            modules.append((sys.modules[modname], modname, names))
+        fresh = [(modname, name) for mod, modname, names in modules for name in names
+                 if name in vars(mod) and (modname, name) not in _SAVED]
+        for modname, name in fresh:
+            _SAVED[(modname, name)] = vars(sys.modules[modname])[name]
+        for modname, name in fresh:
+            setattr(sys.modules[modname], name, _ours(name))
+        FSDPModule._get_fsdp_state = _get_fsdp_state  # type: ignore[attr-defined]  # (torchtitan's torchft path)
         return patched_names()
 
 
@@ -170,6 +191,8 @@ def unpatch_torch() -> None:
         for (modname, name), original in _SAVED.items():
             setattr(sys.modules[modname], name, original)
         _SAVED.clear()
+        if "_get_fsdp_state" in vars(FSDPModule):
+            del FSDPModule._get_fsdp_state  # type: ignore[attr-defined]
 
 
 def is_patched() -> bool:
@@ -226,6 +249,18 @@ class GroupView:
         reshard if ``reshard_after_backward``: what a post-backward hook does."""
         self._state.post_backward(only=self._group)
 
+    @property
+    def _all_reduce_hook(self) -> Callable[[Any], None] | None:
+        """torchtitan's torchft path sets torch's private ``FSDPParamGroup._all_reduce_hook`` per group:
+        this group's ``set_all_reduce_hook`` hook."""
+        return self._group.reducer.settings.all_reduce_hook
+
+    @_all_reduce_hook.setter
+    def _all_reduce_hook(self, hook: Callable[[Any], None] | None) -> None:
+        if hook is not None and not callable(hook):
+            raise TypeError(f"_all_reduce_hook expects a callable hook(tensor) or None, got {type(hook).__name__}")
+        self._group.reducer.settings.all_reduce_hook = hook
+
 
 class StateView:
     """torch's ``FSDPState`` as torch code reads it (``fully_shard.state(module)``)."""
@@ -262,6 +297,12 @@ class StateView:
             return
         owner = next((s for s in root.states if s.is_root), self._state)
         owner.root_final_callback()
+
+
+def _get_fsdp_state(module: FSDPModule) -> StateView:
+    """torch's private ``FSDPModule._get_fsdp_state()`` (torchtitan's torchft path reads the param groups
+    through it): our unit's view, while patched."""
+    return StateView(module._fsdp)
 
 
 class _StateContextView:

@@ -296,3 +296,59 @@ def test_hsdp_through_dp_mesh_dims_matches_torch() -> None:
     _hsdp_dp_mesh_dims()
     if TORCH_NO_DP_DIMS:
         pytest.skip(TORCH_NO_DP_DIMS)
+
+
+# --- torchtitan's torchft path: the replica all-reduce hook set through torch's private names ----------------
+def _titan_ft_hook(model: nn.Module, hook: Any) -> None:
+    """What torchtitan's experiments/torchft ``maybe_set_all_reduce_hook`` does on every unit."""
+    from torch.distributed._composable.fsdp.fully_shard import FSDPModule
+
+    def apply(m: nn.Module) -> None:
+        if isinstance(m, FSDPModule):
+            for param_group in m._get_fsdp_state()._fsdp_param_groups:
+                param_group._all_reduce_hook = hook
+
+    model.apply(apply)
+
+
+@distributed(world_size=2)
+def test_torchtitan_ft_hook_path_runs_our_units_as_torch_runs_its_own() -> dict[str, float]:
+    torch.manual_seed(0)
+    ref = Decoder()
+    theirs = copy.deepcopy(ref)
+    shard_torch = _torch_fully_shard()
+    for blk in theirs.blocks:
+        shard_torch(blk)
+    shard_torch([theirs.norm, theirs.head])
+    shard_torch(theirs)
+    calls = {"ours": 0, "torch": 0}
+
+    def hook_for(lib: str) -> Any:
+        def hook(shard: torch.Tensor) -> None:  # stands for the replica all-reduce: observable, in place
+            calls[lib] += 1
+            shard.mul_(2)
+        return hook
+
+    _titan_ft_hook(theirs, hook_for("torch"))
+    compat.patch_torch()
+    try:
+        model = _framework_shard(copy.deepcopy(ref), group_raf=True)
+        _titan_ft_hook(model, hook_for("ours"))
+        group = model.blocks[0]._get_fsdp_state()._fsdp_param_groups[0]
+        assert group._all_reduce_hook is model.blocks[0]._fsdp.groups[0].reducer.settings.all_reduce_hook
+        with pytest.raises(TypeError, match="callable"):
+            group._all_reduce_hook = 3
+        x, y = tokens(4, seed=3)
+        got = {}
+        for lib, m in (("ours", model), ("torch", theirs)):
+            (ce_sum(m(rank_rows(x)), rank_rows(y)) / rank_rows(y).numel()).backward()
+            got[lib] = grads(m)
+    finally:
+        compat.unpatch_torch()
+    assert not hasattr(model, "_get_fsdp_state")  # torch's private method only while patched
+    want = {n: None if g is None else 2 * g
+            for n, g in reference_grads(ref, ce_sum(ref(x), y) / rank_rows(y).numel()).items()}
+    worst = {"torch": max_diff(got["ours"], got["torch"]), "ref": max_diff(got["ours"], want)}
+    assert calls["ours"] == calls["torch"] > 0, calls
+    assert max(worst.values()) < TOL, worst
+    return worst
