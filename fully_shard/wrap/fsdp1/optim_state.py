@@ -11,9 +11,8 @@ checkpoint/state_dict.py's (one mechanism for both APIs).
 
 from __future__ import annotations
 
-from typing import Any
-
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
