@@ -28,7 +28,7 @@ from . import buffers, grad_mode
 from .gather_plan import GatherPlan
 from .layout import FlatLayout
 from .param import ShardedParam
-from .policy import AllGatherPolicy, MixedPrecisionPolicy, QuantizedAllGather
+from .policy import AllGatherPolicy, MixedPrecisionPolicy, QuantizedAllGather, default_reduce_dtype
 from .quantize import BlockLayout
 from .reduce import ReduceQueue, Reducer
 
@@ -93,6 +93,7 @@ class ParamGroup:
         self.reshard_after_backward = True
         self.unshard_in_backward = True  # set_unshard_in_backward
         self.all_gather_comm: Any = None  # set_custom_all_gather / PG allocation: allocate() + __call__()
+        self._unset_reduce_dtype = torch.get_default_dtype()  # (a group without parameters reduces nothing)
         self._check_dtypes()
 
     @property
@@ -106,6 +107,10 @@ class ParamGroup:
 
     # --- dtypes ---------------------------------------------------------------------------------
     def _check_dtypes(self) -> None:
+        """The group's dtypes are fixed here (at construction, lazy init and after ``module.to(dtype)``):
+        checked, and the reduce dtype under ``reduce_dtype=None`` (``policy.default_reduce_dtype``) kept."""
+        if self.params:
+            self._unset_reduce_dtype = default_reduce_dtype((self.param_dtype,), (p.orig_dtype for p in self.params))
         if self.blocks is not None:
             self._check_quantizable()
         if self.mp_policy.param_dtype is not None or not self.params:
@@ -133,7 +138,7 @@ class ParamGroup:
 
     @property
     def reduce_dtype(self) -> torch.dtype:
-        return self.mp_policy.reduce_dtype or self.param_dtype
+        return self.mp_policy.reduce_dtype or self._unset_reduce_dtype
 
     @property
     def grad_params(self) -> list[ShardedParam]:

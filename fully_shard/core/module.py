@@ -6,7 +6,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import protocol
 from ..parallel.mesh import describe_mesh
-from . import roots
+from . import finalize, roots
+from .finalize import GradientReductionHandle
 from .group import GroupState, ParamGroup
 from .policy import check_reshard_after_forward
 from .state import FSDPState, get_state, states_under
@@ -116,6 +117,28 @@ class FSDPModule:
         """False: the end of the next backward does not wait for in-flight gradient reductions
         (micro-batching); they finish on the next backward or forward. Set on the root."""
         self._fsdp.is_last_backward = is_last_backward
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """True (on the root, before backward): the end of backward leaves the gradient reduction to
+        ``finalize_backward()``, called once after all backward passes of the step (supersedes
+        ``set_is_last_backward``); the mode cannot change during a backward iteration (finalize.py)."""
+        finalize.set_manual_backward_finalization(self._fsdp, enabled)
+
+    @overload
+    def finalize_backward(self, *, async_op: Literal[False] = False) -> None: ...
+
+    @overload
+    def finalize_backward(self, *, async_op: Literal[True]) -> GradientReductionHandle: ...
+
+    @overload
+    def finalize_backward(self, *, async_op: bool) -> GradientReductionHandle | None: ...
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """Manual backward finalization, on the root after backward: reduce the gradients the backward
+        passes left, reshard (``set_reshard_after_backward``) and wait for every reduction; ``async_op``:
+        return a ``GradientReductionHandle`` to ``wait()`` on before using the gradients or running forward.
+        Before the first forward: nothing to do."""
+        return finalize.finalize_backward(self._fsdp, async_op=async_op)
 
     def _groups(self, recurse: bool = False) -> Iterator[ParamGroup]:
         for state in self._fsdp_states(recurse):

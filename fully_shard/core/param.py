@@ -48,7 +48,7 @@ class ShardedParam:
 
     def __init__(self, module: nn.Module, name: str, fqn: str, param: nn.Parameter, mesh_info: MeshInfo,
                  storage_device: torch.device, *, pin_memory: bool = False, offload: bool = False,
-                 shard_dim: int = 0) -> None:
+                 shard_dim: int = 0, param_dtype: torch.dtype | None = None) -> None:
         self.module = module
         self.name = name
         self.slots: list[tuple[nn.Module, str]] = [(module, name)]  # every (module, attr) holding it
@@ -61,6 +61,9 @@ class ShardedParam:
         # every reduce copies the grad back (even where both are the CPU: tests run that path on CPU)
         self.offload = offload
         self.requires_grad = param.requires_grad
+        # the unit policy's param_dtype for this parameter (param_dtype_override_fn applied once, at
+        # fully_shard()); None: its own dtype
+        self.param_dtype = param_dtype
         self.global_shape = tuple(param.shape)  # of the DTensor (the whole parameter)
         # Sharding along dim d uses the dim-0 layout of the tensor with d moved to the front.
         self.shard_dim = shard_dim if self.global_shape else 0

@@ -4,6 +4,7 @@ Python work of one unit's post-backward it leaves (design/data-path.md, "Host wo
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -12,11 +13,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
+import fully_shard as fully_shard_package
 from fully_shard import FSDPModule, fully_shard
 from fully_shard.core.state import get_state
 from tests.distributed.harness import distributed
 
 Change = Callable[[FSDPModule], None]
+OUR_CALLS = 47  # measured: 46, or 47 where gloo ran _take_row inline (design/data-path.md)
 
 
 def _model(mesh: Any = None) -> nn.Sequential:
@@ -124,30 +127,35 @@ def test_requires_all_reduce_changed_after_the_first_step_takes_effect() -> None
             assert value == (True, True), (rank, param, value)
 
 
+_PACKAGE = os.path.dirname(fully_shard_package.__file__) + os.sep
+
+
 @distributed(world_size=2)
-def _python_calls_of_a_post_backward() -> list[int]:
+def _python_calls_of_a_post_backward() -> list[tuple[int, int]]:
+    """Per post-backward of one unit: (calls of this library's Python functions, calls of any Python)."""
     model = _model()
     rank = torch.distributed.get_rank()
     _step(model, rank)  # the first step builds the plans
     state = get_state(model[1])
     assert state is not None
     original = state.post_backward
-    counts: list[int] = []
+    counts: list[tuple[int, int]] = []
 
     def counted(*args: Any, **kwargs: Any) -> Any:
-        calls = 0
+        ours = every = 0
 
         def profile(frame: Any, event: str, arg: Any) -> None:
-            nonlocal calls
+            nonlocal ours, every
             if event == "call":
-                calls += 1
+                every += 1
+                ours += frame.f_code.co_filename.startswith(_PACKAGE)
 
         sys.setprofile(profile)
         try:
             return original(*args, **kwargs)
         finally:
             sys.setprofile(None)
-            counts.append(calls)
+            counts.append((ours, every))
 
     state.post_backward = counted  # type: ignore[method-assign]
     try:
@@ -159,9 +167,13 @@ def _python_calls_of_a_post_backward() -> list[int]:
 
 def test_post_backward_python_calls() -> None:
     """One unit's post-backward (reduce-scatter issue, the reduce finished at once on CPU, grads assigned,
-    reshard) on the planned path: Python function calls (torch's Dynamo-disable wrapper included). 55
-    on this model, 101 before the plan (reduce_ops, the copy-in's layout checks, the grads' checks, the
-    no_grad contexts, the collective's checks, per call)."""
+    reshard) on the planned path: calls of this library's own Python functions, which this library decides,
+    whatever torch does under them (all Python calls were 55 on torch 2.13, 56 on 2.11: torch's own
+    wrappers; 101 before the plan: reduce_ops, the copy-in's layout checks, the grads' checks, the no_grad
+    contexts, the collective's checks, per call). Bounded at the figure measured on torch 2.13, 2.14.1,
+    2.15.0 and 2.11.0 alike."""
     for rank, counts in enumerate(_python_calls_of_a_post_backward()):
         assert len(counts) == 1, (rank, counts)
-        assert counts[0] <= 55, (rank, counts)
+        ours, every = counts[0]
+        print(f"rank {rank}: {ours} calls of fully_shard's functions, {every} Python calls in all")
+        assert ours <= OUR_CALLS, (rank, counts)
