@@ -169,7 +169,8 @@ def _misuse_both() -> dict[str, Any]:
 def test_manual_finalization_misuse_raises_torchs_errors() -> None:
     for r in _misuse_both():
         ours = r["ours"]
-        assert ours["not_root"] == "RuntimeError: set_manual_backward_finalization must be called on the root FSDP module"
+        assert ours["not_root"] == \
+            "RuntimeError: set_manual_backward_finalization must be called on the root FSDP module"
         assert ours["not_manual"].startswith("RuntimeError: FSDP finalize_backward requires manual"), ours
         assert ours["during_backward"] == \
             "RuntimeError: set_manual_backward_finalization cannot change mode during backward", ours
