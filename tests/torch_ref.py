@@ -22,13 +22,13 @@ def lacks_name(module: str, name: str) -> str | None:
     return f"torch {torch.__version__} has no {module}.{name} (torch 2.13 has): {_SKIPPED}"
 
 
-def lacks_method(name: str) -> str | None:
-    """Why torch's ``FSDPModule.name`` cannot be the reference, else None."""
+def lacks_method(name: str, since: str = "2.13") -> str | None:
+    """Why torch's ``FSDPModule.name`` cannot be the reference (torch ``since`` has it), else None."""
     from torch.distributed.fsdp import FSDPModule
 
     if hasattr(FSDPModule, name):
         return None
-    return f"torch {torch.__version__}'s FSDPModule has no {name}() (torch 2.13's has): {_SKIPPED}"
+    return f"torch {torch.__version__}'s FSDPModule has no {name}() (torch {since}'s has): {_SKIPPED}"
 
 
 def lacks_field(module: str, cls: str, field: str) -> str | None:

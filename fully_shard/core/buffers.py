@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ..comm.collectives import Alloc, allocate, segment
 from ..parallel.mesh import SubgroupInfo
 from . import quantize
-from .layout import FlatLayout
+from .layout import ByteLayout, FlatLayout
 from .param import ShardedParam
 from .quantize import BlockLayout
 
@@ -29,7 +29,8 @@ from .quantize import BlockLayout
 _chunk_cat = getattr(torch, "_chunk_cat", None)
 
 __all__ = [
-    "all_gather_copy_in", "all_gather_copy_out", "partial_all_gather_copy_in", "partial_shard_copy_in",
+    "all_gather_copy_in", "all_gather_copy_out", "mixed_all_gather_copy_in", "mixed_all_gather_copy_out",
+    "mixed_partial_shard_copy_in", "partial_all_gather_copy_in", "partial_shard_copy_in",
     "quantized_all_gather_copy_in", "quantized_all_gather_copy_out", "reduce_scatter_copy_in",
 ]
 
@@ -64,8 +65,8 @@ def all_gather_copy_in(params: Sequence[ShardedParam], flat: FlatLayout, rank: i
     return out
 
 
-def partial_all_gather_copy_in(block: torch.Tensor, flat: FlatLayout, over: SubgroupInfo, dtype: torch.dtype,
-                               device: torch.device, *, alloc: Alloc | None = None) -> torch.Tensor:
+def partial_all_gather_copy_in(block: torch.Tensor, flat: FlatLayout | ByteLayout, over: SubgroupInfo,
+                               dtype: torch.dtype, device: torch.device, *, alloc: Alloc | None = None) -> torch.Tensor:
     """reshard_after_forward=k: allocate the gathered buffer and write the block this rank kept
     (``partial_shard_copy_in``) into its k-subgroup segment."""
     out = allocate(alloc, flat.total_numel, dtype, device)
@@ -133,6 +134,52 @@ def partial_shard_copy_in(params: Sequence[ShardedParam], flat: FlatLayout,
     rows = slice(over.rank * per, (over.rank + 1) * per)
     parts = [p.unsharded_write.view(1, 1).expand(per, 1) if p.layout.replicated
              else p.unsharded_rows(world, size)[rows] for p, size in zip(params, flat.sizes)]
+    return torch.cat(parts, dim=1).view(-1)
+
+
+# --- several dtypes in one all-gather (param_dtype_override_fn) ----------------------------------------
+def mixed_all_gather_copy_in(params: Sequence[ShardedParam], dtypes: Sequence[torch.dtype], layout: ByteLayout,
+                             rank: int, device: torch.device, *, alloc: Alloc | None = None) -> torch.Tensor:
+    """``all_gather_copy_in`` for a group gathering its parameters at different dtypes: a ``uint8`` buffer,
+    this rank's segment the bytes of each padded shard cast to its own dtype, back to back (torch 2.15's
+    byte all-gather). One ``torch.cat``."""
+    out = allocate(alloc, layout.total_numel, torch.uint8, device)
+    parts = [part.to(dtype).view(torch.uint8) for p, dtype in zip(params, dtypes) for part in p.copy_in_parts(device)]
+    if parts:
+        torch.cat(parts, out=segment(out, rank, layout.world))
+    return out
+
+
+def mixed_all_gather_copy_out(out: torch.Tensor, params: Sequence[ShardedParam], dtypes: Sequence[torch.dtype],
+                              layout: ByteLayout) -> None:
+    """Scatter the gathered bytes into each parameter's unsharded storage (its own dtype): one split of the
+    ``(world, segment bytes)`` rows into byte views of the storages (staged parameters: a buffer of their
+    dtype, copied once more as ``all_gather_copy_out`` does)."""
+    world = layout.world
+    outs, staged = [], []
+    for p, dtype, size in zip(params, dtypes, layout.flat.sizes):
+        if p.staged_gather:
+            dst = torch.empty((world, size), dtype=dtype, device=out.device)
+            staged.append((p, dst))
+        else:
+            dst = p.gather_rows(world, size)
+        outs.append(dst.view(torch.uint8))
+    if outs:
+        torch.split_with_sizes_copy(out.view(world, layout.shard_numel), list(layout.sizes), dim=1, out=outs)
+    for p, dst in staged:
+        p.write_unsharded(dst)
+
+
+def mixed_partial_shard_copy_in(params: Sequence[ShardedParam], layout: ByteLayout,
+                                over: SubgroupInfo) -> torch.Tensor:
+    """``partial_shard_copy_in`` in bytes: the block a rank keeps after a partial reshard of a group gathered
+    at several dtypes (``partial_all_gather_copy_in`` then writes it into a ``uint8`` buffer)."""
+    world = layout.world
+    per = world // over.world
+    rows = slice(over.rank * per, (over.rank + 1) * per)
+    parts = [(p.unsharded_write.view(1, 1).expand(per, 1).contiguous() if p.layout.replicated
+              else p.unsharded_rows(world, size)[rows].contiguous()).view(torch.uint8)
+             for p, size in zip(params, layout.flat.sizes)]
     return torch.cat(parts, dim=1).view(-1)
 
 

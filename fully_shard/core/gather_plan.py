@@ -17,11 +17,11 @@ from .policy import MixedPrecisionPolicy
 __all__ = ["GatherPlan", "param_dtype_for"]
 
 
-def param_dtype_for(param: ShardedParam, mp_policy: MixedPrecisionPolicy) -> torch.dtype:
-    """The ``param_dtype`` the post-hook gets: the policy's for a floating-point parameter, else its own
-    (torch's rule)."""
+def param_dtype_for(param: ShardedParam) -> torch.dtype:
+    """The ``param_dtype`` the post-hook gets: the unit policy's for a floating-point parameter
+    (``param_dtype_override_fn`` applied), else its own (torch's rule)."""
     orig = param.orig_dtype
-    return mp_policy.param_dtype if mp_policy.param_dtype is not None and orig.is_floating_point else orig
+    return param.param_dtype if param.param_dtype is not None and orig.is_floating_point else orig
 
 
 class GatherPlan:
@@ -37,6 +37,7 @@ class GatherPlan:
         self.params: list[ShardedParam] = group.params
         self.mp_policy: MixedPrecisionPolicy = group.mp_policy
         self.param_dtype: torch.dtype = group.param_dtype
+        self._index = {id(p): i for i, p in enumerate(self.params)}  # a plain parameter's dtype: group.dtypes[i]
         self.device: torch.device = group.device
         self.world: int = group.mesh_info.shard_world
         self.exchange = exchange  # exchange(obj, process_group) -> every rank's obj (collectives.all_gather_object)
@@ -69,7 +70,12 @@ class GatherPlan:
         if p.extension is not None:
             assert p.extension.specs is not None
             return p.extension.specs
-        return (InputSpec((p.layout.padded_shard_numel,), self.param_dtype),)
+        return (InputSpec((p.layout.padded_shard_numel,), self._dtype(p)),)
+
+    def _dtype(self, p: ShardedParam) -> torch.dtype:
+        """A plain parameter's all-gather dtype (its ``param_dtype``, per parameter with
+        ``param_dtype_override_fn``)."""
+        return self.group.dtypes[self._index[id(p)]]  # type: ignore[no-any-return]
 
     def _agree(self, inputs: dict[int, list[torch.Tensor] | str]) -> None:
         """First unshard: every rank checks every rank's pre-hook answers (the same verdict everywhere,
@@ -101,7 +107,8 @@ class GatherPlan:
             if p.extension is None:
                 continue
             try:
-                inputs[id(p.extension)] = p.extension.pre_all_gather(self.mp_policy, self.device)
+                policy = self.mp_policy.with_param_dtype(p.param_dtype)  # torch 2.15: the parameter's own policy
+                inputs[id(p.extension)] = p.extension.pre_all_gather(policy, self.device)
             except Exception as exc:
                 if not first:
                     raise
@@ -132,7 +139,7 @@ class GatherPlan:
                 p.extension.check_inputs(ext_inputs)
                 pieces = [t.reshape(-1) for t in ext_inputs]
             else:
-                pieces = [t.to(self.param_dtype) for t in p.copy_in_parts(self.device)]
+                pieces = [t.to(self._dtype(p)) for t in p.copy_in_parts(self.device)]
             parts += [t.view(torch.uint8) for t in pieces] if self.as_bytes else pieces
         torch.cat(parts, out=out.narrow(0, rank * self.shard_units, self.shard_units))
         return out
@@ -148,7 +155,7 @@ class GatherPlan:
                 continue
             size = p.layout.padded_shard_numel
             if p.staged_gather:  # 0-dim: one slot per rank, copied once more (ShardedParam.write_unsharded)
-                staged.append((p, torch.empty(self.world, size, dtype=self.param_dtype, device=self.device)))
+                staged.append((p, torch.empty(self.world, size, dtype=self._dtype(p), device=self.device)))
                 dst = staged[-1][1]
             else:
                 dst = p.unsharded_write.view(self.world, size)
@@ -159,4 +166,4 @@ class GatherPlan:
             p.write_unsharded(rows)
         for p in self.params:
             if p.extension is not None:
-                p.extension.post_all_gather(param_dtype_for(p, self.mp_policy))
+                p.extension.post_all_gather(param_dtype_for(p))

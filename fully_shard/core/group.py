@@ -26,7 +26,7 @@ from ..comm.streams import CommContext, Pending
 from ..parallel.mesh import MeshInfo, SubgroupInfo
 from . import buffers, grad_mode
 from .gather_plan import GatherPlan
-from .layout import FlatLayout
+from .layout import ByteLayout, FlatLayout
 from .param import ShardedParam
 from .policy import AllGatherPolicy, MixedPrecisionPolicy, QuantizedAllGather, default_reduce_dtype
 from .quantize import BlockLayout
@@ -94,6 +94,10 @@ class ParamGroup:
         self.unshard_in_backward = True  # set_unshard_in_backward
         self.all_gather_comm: Any = None  # set_custom_all_gather / PG allocation: allocate() + __call__()
         self._unset_reduce_dtype = torch.get_default_dtype()  # (a group without parameters reduces nothing)
+        # each parameter's all-gather/compute dtype (its param_dtype, param_dtype_override_fn applied, else its
+        # own), and where they differ the segment in bytes: one uint8 all-gather (torch 2.15's)
+        self.dtypes: tuple[torch.dtype, ...] = ()
+        self.bytes: ByteLayout | None = None
         self._check_dtypes()
 
     @property
@@ -110,7 +114,10 @@ class ParamGroup:
         """The group's dtypes are fixed here (at construction, lazy init and after ``module.to(dtype)``):
         checked, and the reduce dtype under ``reduce_dtype=None`` (``policy.default_reduce_dtype``) kept."""
         if self.params:
-            self._unset_reduce_dtype = default_reduce_dtype((self.param_dtype,), (p.orig_dtype for p in self.params))
+            self.dtypes = tuple(p.param_dtype or p.orig_dtype for p in self.params)
+            self.bytes = ByteLayout(self.flat, tuple(d.itemsize for d in self.dtypes)) if len(set(self.dtypes)) > 1 \
+                else None
+            self._unset_reduce_dtype = default_reduce_dtype(self.dtypes, (p.orig_dtype for p in self.params))
         if self.blocks is not None:
             self._check_quantizable()
         if self.mp_policy.param_dtype is not None or not self.params:
@@ -125,6 +132,11 @@ class ParamGroup:
                 "or shard the differing submodules in their own fully_shard calls.")
 
     def _check_quantizable(self) -> None:
+        if self.bytes is not None:
+            raise NotImplementedError(
+                f"fully_shard({self.fqn or '<root>'}) with QuantizedAllGather and param_dtype_override_fn keeping "
+                f"some parameters in another dtype ({sorted(set(map(str, self.dtypes)))}): the int8 blocks dequantize "
+                "into one param_dtype. Fix: drop one of the two, or shard those parameters in their own call.")
         bad = [f"{p.fqn}: {p.orig_dtype}" for p in self.params if not p.orig_dtype.is_floating_point]
         if bad or not self.param_dtype.is_floating_point:
             raise ValueError(
@@ -134,6 +146,7 @@ class ParamGroup:
 
     @property
     def param_dtype(self) -> torch.dtype:
+        """The unit's compute dtype (its inputs are cast to it); ``dtypes`` has each parameter's."""
         return self.mp_policy.param_dtype or self.params[0].orig_dtype
 
     @property
@@ -183,7 +196,9 @@ class ParamGroup:
         """Bytes of the gathered buffer at ``param_dtype`` (padding included)."""
         if self.gather_plan is not None and self.gather_plan.split is not None:  # tensor subclasses
             return self.gather_plan.nbytes
-        return self.flat.total_numel * self.param_dtype.itemsize
+        if self.bytes is not None:
+            return self.bytes.total_numel
+        return self.flat.total_numel * self.dtypes[0].itemsize
 
     def check_subgroup(self, reshard_after_forward: bool | int | None) -> None:
         """A k-rank partial reshard needs the k-rank subgroups created at fully_shard time."""
@@ -219,8 +234,9 @@ class ParamGroup:
         self.comm = comm
         for p in self.params:
             p.adopt_module_param()
-            p.init_unsharded(self.param_dtype, self.device)
         self._check_dtypes()
+        for p, dtype in zip(self.params, self.dtypes):
+            p.init_unsharded(dtype, self.device)
         self.gather_plan = GatherPlan.of(self, collectives.all_gather_object)
 
     def adopt_module_params(self) -> None:
@@ -228,9 +244,10 @@ class ParamGroup:
         them and re-create the unsharded storage at the new ``param_dtype`` (lazily initialized groups)."""
         for p in self.params:
             p.adopt_module_param()
-            if self.comm is not None:
-                p.init_unsharded(self.param_dtype, self.device)
         self._check_dtypes()
+        if self.comm is not None:
+            for p, dtype in zip(self.params, self.dtypes):
+                p.init_unsharded(dtype, self.device)
 
     @_outside_functorch
     def unshard(self, phase: trace.Phase = trace.Phase.EXPLICIT, *, prefetch: bool = False) -> None:
@@ -276,15 +293,21 @@ class ParamGroup:
             if self.blocks is not None:  # (never partial: check_all_gather_policy)
                 return buffers.quantized_all_gather_copy_in(self.params, self.blocks, self.mesh_info.shard_rank,
                                                                 self.flat.world, self.device, alloc=alloc)
+            if not partial and self.bytes is not None:
+                return buffers.mixed_all_gather_copy_in(self.params, self.dtypes, self.bytes,
+                                                        self.mesh_info.shard_rank, self.device, alloc=alloc)
             if not partial:
                 return buffers.all_gather_copy_in(self.params, self.flat, self.mesh_info.shard_rank,
-                                                      self.param_dtype, self.device, alloc=alloc)
+                                                      self.dtypes[0], self.device, alloc=alloc)
             assert self.subgroup is not None and self._partial_shard is not None
             if self._partial_shard_event is not None:  # written on compute at reshard: read after it
                 copy_in_stream.wait_event(self._partial_shard_event)
                 self._partial_shard_event = None
             block, self._partial_shard = self._partial_shard, None
-            return buffers.partial_all_gather_copy_in(block, self.flat, self.subgroup, self.param_dtype,
+            if self.bytes is not None:
+                return buffers.partial_all_gather_copy_in(block, self.bytes, self.subgroup, torch.uint8, self.device,
+                                                          alloc=alloc)
+            return buffers.partial_all_gather_copy_in(block, self.flat, self.subgroup, self.dtypes[0],
                                                           self.device, alloc=alloc)
 
     def _issue_all_gather(self, out: torch.Tensor, over: SubgroupInfo) -> Pending:
@@ -323,7 +346,9 @@ class ParamGroup:
             if self.gather_plan is not None:
                 self.gather_plan.copy_out(out)
             elif self.blocks is not None:
-                buffers.quantized_all_gather_copy_out(out, self.params, self.blocks, self.param_dtype)
+                buffers.quantized_all_gather_copy_out(out, self.params, self.blocks, self.dtypes[0])
+            elif self.bytes is not None:
+                buffers.mixed_all_gather_copy_out(out, self.params, self.dtypes, self.bytes)
             else:
                 buffers.all_gather_copy_out(out, self.params, self.flat)
         self._comm.hold_all_gather_buffer(out)
@@ -348,11 +373,14 @@ class ParamGroup:
         if keep:
             assert self.subgroup is not None
             with grad_mode.no_grad():
-                self._partial_shard = buffers.partial_shard_copy_in(self.params, self.flat, self.subgroup)
+                self._partial_shard = (buffers.partial_shard_copy_in(self.params, self.flat, self.subgroup)
+                                       if self.bytes is None else
+                                       buffers.mixed_partial_shard_copy_in(self.params, self.bytes, self.subgroup))
             ctx = self._comm
             self._partial_shard_event = ctx.record_event(ctx.current_stream())
         for p in self.params:
-            p.free_unsharded()
+            if not p.keep_unsharded_storage:  # set_keep_unsharded_storage: data pointers stay (CUDA graphs)
+                p.free_unsharded()
             p.register_sharded()
         # (UNSHARDED -> new: checked on entry, as _transition would)
         self.state = GroupState.PARTIALLY_SHARDED if keep else GroupState.SHARDED

@@ -82,9 +82,21 @@ class FSDPModule:
         return None
 
     def reshard(self) -> None:
-        """Free this unit's unsharded parameters, registering the sharded DTensors again."""
+        """Free this unit's unsharded parameters (unless ``set_keep_unsharded_storage(True)``), registering the
+        sharded DTensors again."""
         for group in self._fsdp.groups:
             group.reshard()
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """True: ``reshard()`` (and every reshard after forward or backward) registers the sharded parameters
+        again but keeps the unsharded storage allocated, so its data pointers stay the same across reshard and
+        unshard (CUDA-graph capture), at the memory of the gathered parameters (torch 2.15's). False (the
+        default): the next reshard frees it."""
+        if not isinstance(keep, bool):
+            raise TypeError(f"set_keep_unsharded_storage expects a bool, got {type(keep).__name__}: {keep!r}")
+        for group in self._groups(recurse):
+            for p in group.params:
+                p.keep_unsharded_storage = keep
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: accumulate unsharded grads locally with no collective (gradient accumulation)."""

@@ -64,6 +64,7 @@ class ShardedParam:
         # the unit policy's param_dtype for this parameter (param_dtype_override_fn applied once, at
         # fully_shard()); None: its own dtype
         self.param_dtype = param_dtype
+        self.keep_unsharded_storage = False  # set_keep_unsharded_storage: reshard keeps the unsharded storage
         self.global_shape = tuple(param.shape)  # of the DTensor (the whole parameter)
         # Sharding along dim d uses the dim-0 layout of the tensor with d moved to the front.
         self.shard_dim = shard_dim if self.global_shape else 0
@@ -386,7 +387,9 @@ class ShardedParam:
 
     def describe(self, fqn: str) -> str:
         """``blocks.0.up.weight f32[157@shard/2, 60] SHARDED``."""
-        state = "UNSHARDED" if self.unsharded_allocated() else "SHARDED"
+        registered = self.unsharded_param is not None and self.module._parameters.get(self.name) is self.unsharded_param
+        kept = self.keep_unsharded_storage and not registered  # set_keep_unsharded_storage: allocated, not in use
+        state = "UNSHARDED" if self.unsharded_allocated() and not kept else "SHARDED"
         dims = [str(size) for size in self.global_shape]
         if self.layout.replicated:
             dims = ["@replicate"]

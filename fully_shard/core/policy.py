@@ -54,12 +54,19 @@ class MixedPrecisionPolicy:
                              f"{self.param_dtype}")
         return override
 
+    def with_param_dtype(self, param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+        """One parameter's policy: this one, or with an override function, ``param_dtype`` (what it returned for
+        that parameter) and no function (what torch 2.15 hands a tensor subclass's pre-all-gather hook)."""
+        if self.param_dtype_override_fn is None:
+            return self
+        return replace(self, param_dtype=param_dtype, param_dtype_override_fn=None)
+
     def _resolve_for_param(self, param: nn.Parameter) -> MixedPrecisionPolicy:
         """torch 2.15's per-parameter policy (its ``fully_shard`` calls this on the policy it is given, so
         this library's policy object works there too): ``param_dtype`` resolved, no override function."""
         if self.param_dtype_override_fn is None:
             return self
-        return replace(self, param_dtype=self.param_dtype_of(param), param_dtype_override_fn=None)
+        return self.with_param_dtype(self.param_dtype_of(param))
 
 
 def default_reduce_dtype(compute_dtypes: Iterable[torch.dtype], orig_dtypes: Iterable[torch.dtype]) -> torch.dtype:

@@ -21,7 +21,7 @@ from tests.distributed.harness import distributed
 from tests.models import batches, loss_fn
 from tests.torch_ref import lacks_method
 
-TORCH_NO_MANUAL = lacks_method("finalize_backward")
+TORCH_NO_MANUAL = lacks_method("finalize_backward", since="2.15")
 
 
 def _step(model: nn.Module, mode: str, micro: int, step: int) -> tuple[list[float], dict[str, int]]:

@@ -238,7 +238,7 @@ def _override_errors() -> dict[str, Any]:
         calls.append((tuple(p.shape), p.dtype, type(p).__name__))
         return torch.float32 if p.dim() == 1 else None
 
-    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6))
+    model = nn.Sequential(nn.Linear(4, 6, bias=False), nn.LayerNorm(6))  # (a bf16 linear takes no fp32 bias)
     fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=BF16, param_dtype_override_fn=record))
     after_call = len(calls)
     model(torch.randn(2, 4)).float().sum().backward()
@@ -259,10 +259,9 @@ def test_override_errors_and_calls() -> None:
             assert {k: v for k, v in ours.items() if not k.endswith("unchanged")} == \
                 {k: v for k, v in r["torch"].items() if not k.endswith("unchanged")}
         calls, at_fully_shard, after_step = r["calls"]
-        assert at_fully_shard == after_step == 4, calls  # once per parameter, at fully_shard() only
+        assert at_fully_shard == after_step == 3, calls  # once per parameter, at fully_shard() only
         assert all(kind == "Parameter" and dtype == torch.float32 for _, dtype, kind in calls), calls  # the originals
-        assert r["dtypes"] == {"0.weight": BF16, "0.bias": torch.float32, "1.weight": torch.float32,
-                               "1.bias": torch.float32}, r["dtypes"]
+        assert r["dtypes"] == {"0.weight": BF16, "1.weight": torch.float32, "1.bias": torch.float32}, r["dtypes"]
     if TORCH_NO_OVERRIDE:
         pytest.skip(TORCH_NO_OVERRIDE)
 
@@ -303,3 +302,55 @@ def test_torch_fully_shard_takes_this_librarys_policy() -> None:
         for mine, want in zip(a["grads"], b["grads"]):
             for n, g in mine.items():
                 assert torch.equal(g, want[n]), n
+
+
+@distributed(world_size=4)
+def _partial_reshard() -> dict[str, Any]:
+    """reshard_after_forward=2 on 4 ranks: the kept block and its 2-rank re-gather in bytes as well."""
+    def build(shard: Any, policy_of: Callable[[nn.Module], Any]) -> TinyGPT:
+        torch.manual_seed(0)
+        model = TinyGPT(n_blocks=2, zero_dim=False)
+        policy = policy_of(model)
+        for blk in model.blocks:
+            shard(blk, mp_policy=policy, reshard_after_forward=2)
+        shard(model, mp_policy=policy)
+        return model
+
+    out = {"ours": _train(build(fully_shard, _policy)), "full": _train(_build(fully_shard, _policy))}
+    if not TORCH_NO_OVERRIDE:
+        out["torch"] = _train(build(_torch_fs(), lambda m: _torch_policy(_policy(m))))
+    return out
+
+
+def test_override_with_partial_reshard() -> None:
+    for r in _partial_reshard():
+        ours = r["ours"]
+        assert ours["seen"] == {"norm": torch.float32, "up": BF16}
+        partial = [n for k, f, n in ours["events"] if k == "ALL_GATHER" and f == "blocks.0"]
+        assert len(partial) == 2, ours["events"]  # forward, and backward's re-gather within 2 ranks
+        for ref in ("full", "torch"):
+            if ref not in r:
+                continue
+            if ref == "torch":
+                assert ours["counts"] == r[ref]["counts"], (ours["counts"], r[ref]["counts"])
+            assert ours["losses"] == pytest.approx(r[ref]["losses"], abs=TOL), ref
+            for mine, want in zip(ours["grads"], r[ref]["grads"]):
+                for n, g in mine.items():
+                    torch.testing.assert_close(g, want[n], atol=TOL, rtol=0, msg=n)
+    if TORCH_NO_OVERRIDE:
+        pytest.skip(TORCH_NO_OVERRIDE)
+
+
+@distributed(world_size=2)
+def _quantized() -> str:
+    from fully_shard import QuantizedAllGather
+
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.LayerNorm(4))
+    policy = MixedPrecisionPolicy(param_dtype=BF16, param_dtype_override_fn=_norms_in_fp32(model))
+    return _error(lambda: fully_shard(model, mp_policy=policy, all_gather_policy=QuantizedAllGather()))
+
+
+def test_override_with_quantized_all_gather_is_refused() -> None:
+    for msg in _quantized():
+        assert msg.startswith("NotImplementedError: fully_shard(<root>) with QuantizedAllGather and "
+                              "param_dtype_override_fn"), msg
