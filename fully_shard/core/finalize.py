@@ -85,7 +85,7 @@ def finalize_backward(state: FSDPState, *, async_op: bool) -> GradientReductionH
             if group.reshard_after_backward and group.state is not GroupState.SHARDED:
                 group.reshard(Phase.BACKWARD)
             if group.reducer.requires_gradient_sync:
-                group.clear_used()
+                group.reducer.clear_used()
         st.training_state = TrainingState.IDLE
     if not async_op:
         _end_backward(root)
@@ -130,8 +130,7 @@ def _end_backward(root: RootContext) -> None:
     """Wait for every reduction of the root's backward and end its iteration (as the automatic last
     backward's end does)."""
     root.reduces.drain()
-    root.comm.release_reduce_scatter_inputs()
-    root.comm.sync_grad_offload()
+    root.comm.end_backward(reduces_finished=True, step_ended=False)
     root.manual_active = None
 
 

@@ -148,7 +148,6 @@ class FlatLayout:
         return self.world * self.shard_numel
 
 
-
 @dataclass(frozen=True)
 class ByteLayout:
     """A ``FlatLayout`` whose tensors are gathered at different dtypes (``param_dtype_override_fn``: e.g. bf16
