@@ -40,6 +40,7 @@ def _pointers(model: nn.Module, steps: int, keep: bool | None, recurse: bool = T
     out["seen"] = seen
     out["allocated"] = [all(_allocated(u)) for u in units]  # after the last backward (every unit resharded)
     out["registered_sharded"] = all(isinstance(p, DTensor) for p in model.parameters())
+    out["repr"] = model.fsdp_repr() if isinstance(model, FSDPModule) else ""  # (ours only)
     model.set_keep_unsharded_storage(False)
     out["kept_until_used"] = [all(_allocated(u)) for u in units]  # a reshard of sharded units changes nothing
     for u in units:  # the next unshard/reshard cycle frees
@@ -65,6 +66,8 @@ def test_keep_unsharded_storage_keeps_data_pointers_like_torch() -> None:
         keep = ours["keep"]
         assert len(set(keep["seen"])) == 1, keep["seen"]  # the same storage every step
         assert all(keep["allocated"]) and keep["registered_sharded"], keep
+        assert "UNSHARDED" not in keep["repr"] and keep["repr"].count(" SHARDED") == len(keep["repr"].splitlines()), \
+            keep["repr"]  # kept but not in use: SHARDED, as the module's parameters say
         assert all(keep["freed"]) and all(ours["default"]["freed"])  # set back to False: the next reshard frees
         assert not any(ours["default"]["allocated"]), ours["default"]["allocated"]  # the default frees
         root_only = ours["root_only"]["allocated"]  # units in model.modules() order: the root first
