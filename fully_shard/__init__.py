@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from . import optim  # noqa: F401  (registers the local-shard optimizer step with the core (optim/__init__.py))
 from .comm.trace import EventKind, Phase
 from .core.api import fully_shard
+from .core.finalize import GradientReductionHandle
 from .core.init import default_init, materialize_meta_module
 from .core.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .core.placement import ShardPlacement
@@ -97,6 +98,7 @@ __all__ = [
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "FullyShardedDataParallel",
+    "GradientReductionHandle",
     "GranularityPolicy",
     "LocalOptimStateDictConfig",
     "LocalStateDictConfig",
