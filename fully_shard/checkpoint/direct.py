@@ -24,7 +24,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 import xxhash
@@ -32,6 +32,21 @@ import xxhash
 ALIGN = 4096  # at least the logical block size of any disk; a page
 BLOCK_BYTES = 8 << 20  # one read of read_whole; ``DEPTH`` of them are in flight at once
 DEPTH = 4
+
+
+_readers: tuple[int, ThreadPoolExecutor] | None = None  # (pid, threads) of read_whole
+_readers_lock = threading.Lock()
+
+
+def readers() -> ThreadPoolExecutor:
+    """``read_whole``'s ``DEPTH`` reader threads, started once per process (a forked child starts its own):
+    starting threads for every file cost each load ~0.2 s of waiting on a busy machine (a new thread
+    must be scheduled before ``Thread.start`` returns)."""
+    global _readers
+    with _readers_lock:
+        if _readers is None or _readers[0] != os.getpid():
+            _readers = (os.getpid(), ThreadPoolExecutor(max_workers=DEPTH, thread_name_prefix="checkpoint-read"))
+        return _readers[1]
 
 
 def round_up(n: int, to: int) -> int:
@@ -175,21 +190,22 @@ def read_whole(fd: int, size: int, *, slot: Callable[[int], memoryview], digest:
     def read(i: int) -> None:
         direct[0] = read_block(fd, slot(starts[i]), starts[i], min(starts[i] + block, size), direct[0], short)
 
+    pending: deque[Future[None]] = deque()
     try:
-        with ThreadPoolExecutor(max_workers=max(1, min(depth, len(starts))), thread_name_prefix="checkpoint-read") \
-                as pool:
-            pending = deque(pool.submit(read, i) for i in range(min(depth, len(starts))))
-            for i, start in enumerate(starts):
-                pending.popleft().result()
-                if i + depth < len(starts):
-                    pending.append(pool.submit(read, i + depth))
-                end = min(start + block, size)
-                buf = slot(start)
-                if h is not None:
-                    h.update(buf[:end - start])
-                if on_block is not None:
-                    on_block(start, end, buf)
+        pool = readers()
+        pending.extend(pool.submit(read, i) for i in range(min(depth, len(starts))))
+        for i, start in enumerate(starts):
+            pending.popleft().result()
+            if i + depth < len(starts):
+                pending.append(pool.submit(read, i + depth))
+            end = min(start + block, size)
+            buf = slot(start)
+            if h is not None:
+                h.update(buf[:end - start])
+            if on_block is not None:
+                on_block(start, end, buf)
     finally:
+        wait(pending)  # every read has finished: the caller may reuse or unmap the buffers
         set_direct(fd, False)
     return h.hexdigest() if h is not None else None
 
