@@ -1,7 +1,7 @@
 """fully_shard: FSDP2 (ZeRO-3) on DTensor. Public API only; see README.md and design/overview.md.
 
 The core (``fully_shard``, ``FSDPModule``, policies, clipping) is imported here; the applications on it
-(``checkpoint``, the profiler, the wrap planner) are imported on first use of their names, so
+(``checkpoint``, ``weights``, the profiler, the wrap planner) are imported on first use of their names, so
 ``import fully_shard`` loads neither safetensors nor the tools.
 """
 
@@ -28,8 +28,9 @@ from .optim.clip import clip_grad_norm_, total_grad_norm
 from .parallel.mesh import DataParallelMeshDims
 
 if TYPE_CHECKING:
-    from . import checkpoint
+    from . import checkpoint, weights
     from .tools.profile import Profiler, profile
+    from .weights import iter_full, iter_local
     from .wrap import (
         GranularityPolicy,
         ModuleClassPolicy,
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 # name -> the module that defines it, imported on first access (PEP 562)
 _LAZY = {
     "checkpoint": "fully_shard.checkpoint",
+    "weights": "fully_shard.weights", "iter_full": "fully_shard.weights", "iter_local": "fully_shard.weights",
     "Profiler": "fully_shard.tools.profile", "profile": "fully_shard.tools.profile",
     **{name: "fully_shard.wrap" for name in (
         "GranularityPolicy", "ModuleClassPolicy", "ParamCountPolicy", "PredicatePolicy", "UnitReport", "WrapPlan",
@@ -57,7 +59,7 @@ def __getattr__(name: str) -> Any:
     if target is None:
         raise AttributeError(f"module 'fully_shard' has no attribute {name!r}")
     module = importlib.import_module(target)
-    value = module if name == "checkpoint" else getattr(module, name)
+    value = module if name in ("checkpoint", "weights") else getattr(module, name)
     globals()[name] = value
     return value
 
@@ -91,6 +93,8 @@ __all__ = [
     "clip_grad_norm_",
     "default_init",
     "fully_shard",
+    "iter_full",
+    "iter_local",
     "materialize_meta_module",
     "plan_wrap",
     "profile",
@@ -98,4 +102,5 @@ __all__ = [
     "share_comm_ctx",
     "strategy_kwargs",
     "total_grad_norm",
+    "weights",
 ]

@@ -72,10 +72,10 @@ class Receiver:
     def receive(self) -> SyncStats:
         """Receive one send (call once per ``Sender.send``). Returns the stats; raises ``WeightSyncError``
         (the target unchanged) when the send failed on any rank."""
-        t0 = time.perf_counter()
         ch = self.channel
         ch.control_bytes = 0
         header = ch.recv_json(self.src, "the header")
+        t0 = time.perf_counter()  # (waiting for the trainers to start the send is not counted)
         problem = None
         try:
             tensors = self._check_header(header)
@@ -226,7 +226,7 @@ class Receiver:
             except (TypeError, ValueError) as e:
                 raise WeightSyncError(f"{name}: trainer rank {rank} sent a malformed record: {e}") from None
             start = wire.aligned(where_n)
-            if not (isinstance(off, int) and 0 <= off and off % wire.ALIGN == 0
+            if not (isinstance(off, int) and off >= 0 and off % wire.ALIGN == 0
                     and off <= payload.numel() - (start + values_n)):
                 raise WeightSyncError(f"{name}: trainer rank {rank}'s record lies outside its payload; fix: the same "
                                       "fully_shard version on both sides")

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2] / "fully_shard"
 
 # package -> layer; a module may import from its own package or a lower layer
 LAYERS = {"parallel": 0, "comm": 1, "core": 2, "optim": 3, "wrap": 3, "interop": 4, "checkpoint": 4, "tools": 5,
-          "": 6}  # "": fully_shard/__init__.py and the entry points beside it (compat.py, tune.py)
+          "weights": 5, "": 6}  # "": fully_shard/__init__.py and the entry points beside it (compat.py, tune.py)
 # Leaves: modules that import nothing of the package; the core calls them (torch integration points)
 LEAVES = {"fully_shard.interop.dynamo", "fully_shard.interop.composable"}
 
@@ -113,12 +113,14 @@ def test_the_layer_check_sees_a_violation() -> None:
 
 def test_import_fully_shard_loads_no_tools() -> None:
     code = ("import sys, fully_shard; print(sorted(m for m in sys.modules if m.startswith(("
-            "'fully_shard.tools', 'fully_shard.checkpoint', 'fully_shard.wrap', 'safetensors', 'xxhash'))))")
+            "'fully_shard.tools', 'fully_shard.checkpoint', 'fully_shard.wrap', 'fully_shard.weights', 'safetensors', "
+            "'xxhash'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
-    code = "import fully_shard; from fully_shard import checkpoint, profile, auto_wrap; print(checkpoint.__name__)"
+    code = ("import fully_shard; from fully_shard import checkpoint, profile, auto_wrap, weights, iter_full; "
+            "print(checkpoint.__name__, weights.__name__, iter_full is weights.iter_full)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "fully_shard.checkpoint", out.stdout
+    assert out.stdout.strip() == "fully_shard.checkpoint fully_shard.weights True", out.stdout
 
 
 def test_import_survives_moved_private_torch_names() -> None:
