@@ -5,10 +5,11 @@
 Ranks 0 and 1 train a small Llama (built from a config, nothing downloaded) sharded with fully_shard on a
 mesh of those two ranks. Rank 2 is the "generator": a plain Hugging Face model, as an inference engine
 holds it, that samples with ``generate()``. Every step the trainers send their weights with
-``fully_shard.weights.Sender(delta=True)`` (the first send is full; then each rank sends only the changed
-elements of its own shard) and the generator applies them with ``Receiver`` before generating again; the
-generator prints what it received, and at the end the trainer checks that the generator's weights equal
-its own full weights bit for bit.
+``fully_shard.weights.Sender(dtype=torch.bfloat16, delta=True)`` (the first send is full; then each rank
+sends only the elements of its own shard whose bf16 value changed: few, at RL's small learning rates) and
+the generator applies them with ``Receiver`` before generating again; the generator prints what it
+received, and at the end the trainer checks that the generator's weights equal its own full weights
+(cast to bf16) bit for bit.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def trainer(mesh: DeviceMesh) -> None:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    sender = Sender(model, group=None, dst=GENERATOR, delta=True)  # group=None: the default group (ranks 0-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)  # RL fine-tuning's small steps
+    # group=None: the default group (ranks 0-2); bf16 on the wire and in the generator, as engines run
+    sender = Sender(model, group=None, dst=GENERATOR, dtype=torch.bfloat16, delta=True)
     g = torch.Generator().manual_seed(dist.get_rank())
     for step in range(STEPS):
         ids = torch.randint(0, 128, (4, 16), generator=g)  # stand-in for the rollouts' tokens and rewards
@@ -54,7 +56,7 @@ def trainer(mesh: DeviceMesh) -> None:
         if dist.get_rank() == 0:
             print(f"[trainer] step {step}: loss {loss.item():.4f}, sent {stats.mode} {stats.bytes / 1024:.1f} KiB "
                   f"in {stats.seconds * 1e3:.0f} ms", flush=True)
-    full = dict(iter_full(model, rank=0))
+    full = dict(iter_full(model, dtype=torch.bfloat16, rank=0))
     held: list[object] = [None]
     if dist.get_rank() == 0:
         dist.recv_object_list(held, src=GENERATOR)
@@ -66,14 +68,14 @@ def trainer(mesh: DeviceMesh) -> None:
 def generator() -> None:
     from fully_shard.weights import Receiver
 
-    model = build()  # a plain copy, as the inference engine holds it
+    model = build().to(torch.bfloat16)  # a plain copy, as the inference engine holds it
     model.eval()
     receiver = Receiver(model, group=None, src=0)
     prompt = torch.tensor([[1, 2, 3, 4]])
     for step in range(STEPS):
         stats = receiver.receive()
         with torch.no_grad():
-            out = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+            out = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
         print(f"[generator] step {step}: received {stats.mode} ({stats.elements} elements, "
               f"{stats.bytes / 1024:.1f} KiB), generated {out[0, 4:].tolist()}", flush=True)
     dist.send_object_list([{k: v.clone() for k, v in model.state_dict().items()}], dst=0)

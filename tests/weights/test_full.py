@@ -328,7 +328,7 @@ def _errors() -> dict[str, str]:
     for name, call in {
         "dtype": lambda: iter_full(model, dtype="bf16"),  # type: ignore[arg-type]
         "rank": lambda: iter_full(model, rank=5),
-        "key_map": lambda: iter_full(model, key_map=KeyMap(transforms=[Stack("x.*", "y.*")])),
+        "key_map": lambda: iter_full(model, key_map=[(r"^model\.", "")]),  # a regex rename: not invertible
     }.items():
         try:
             call()
@@ -348,5 +348,5 @@ def test_bad_arguments_fail_on_every_rank_before_any_collective() -> None:
     for found in _errors():
         assert "torch.dtype" in found["dtype"] and "fix" in found["dtype"]
         assert "rank=5" in found["rank"]
-        assert "key_map" in found["key_map"]
+        assert "key_map" in found["key_map"] and "rename_inverse" in found["key_map"]
         assert "meta device" in found["meta"] and "fix" in found["meta"]
