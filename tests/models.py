@@ -56,6 +56,23 @@ class TinyGPT(nn.Module):
         return self.head(self.norm(x))
 
 
+class AuxGPT(TinyGPT):
+    """TinyGPT (2 blocks) with an auxiliary head on the embeddings, returning (logits, aux): a unit whose
+    backward runs only on the steps whose loss uses ``aux``, while the implicit backward prefetch (by
+    block 0) gathers it on every step."""
+
+    def __init__(self) -> None:
+        super().__init__(n_blocks=2, zero_dim=False)  # (torch's fully_shard refuses 0-dim parameters)
+        self.aux = nn.Linear(60, 60)
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        aux = self.aux(x)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x)), aux
+
+
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 

@@ -1,11 +1,12 @@
-"""Every collective call of the library: all-gather, reduce-scatter, all-reduce, broadcast, object gathers.
+"""The runtime's collective calls: all-gather, reduce-scatter, all-reduce, broadcast, object gathers.
 
-See design/data-path.md. The data path's collectives run on flat buffers packed by ``core/buffers.py``
-(pack -> collective -> unpack): an in-place all-gather of this rank's segment, a reduce-scatter of a
-``(world, shard_numel)`` input (-> HSDP all-reduce); the k-rank partial all-gather
-(reshard_after_forward=k) is the same call over a ``SubgroupInfo`` of k ranks. Control plane: the
-structure check at fully_shard() time, gradient-norm sums (optim/clip.py) and meta-init broadcasts
-(core/init.py).
+See design/data-path.md. The data path's collectives run on flat buffers packed by the core's plans
+(``core/gather_plan.py``, ``core/reduce_plan.py``: pack -> collective -> unpack): an in-place all-gather
+of this rank's segment, a reduce-scatter of a ``(world, shard_numel)`` input (-> HSDP all-reduce); the
+k-rank partial all-gather (reshard_after_forward=k) is the same call over a ``SubgroupInfo`` of k ranks.
+Control plane: the structure check at fully_shard() time, gradient-norm sums (optim/clip.py) and
+meta-init broadcasts (core/init.py). design/overview.md says which applications call ``torch.distributed``
+themselves.
 """
 
 from __future__ import annotations
@@ -52,13 +53,28 @@ def segment(buffer: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return buffer.narrow(0, rank * block, block)
 
 
+# --- one rank ---------------------------------------------------------------------------------------
+_at_world_one = False  # issue_at_world_one(True): the collectives run over one rank too
+
+
+def issue_at_world_one(enabled: bool) -> bool:
+    """Issue the all-gather and the reduce-scatter as collectives even over one rank (default False: as
+    torch's FSDP2, one rank skips the all-gather and copies its reduce input); returns the previous
+    setting. For checks: at world 1 on NCCL the collective kernels then run on the side streams
+    (tests/gpu/delay.py), with the same results."""
+    global _at_world_one
+    previous, _at_world_one = _at_world_one, bool(enabled)
+    return previous
+
+
 # --- all-gather ------------------------------------------------------------------------------------
-def all_gather(out: torch.Tensor, over: SubgroupInfo, async_op: bool, *, comm: Any = None) -> dist.Work | None:
+def all_gather(over: SubgroupInfo, out: torch.Tensor, async_op: bool, *, comm: Any = None) -> dist.Work | None:
     """In-place all-gather over ``over`` (the shard group or a k-subgroup) of this rank's segment of
     ``out`` into the whole of ``out``, by ``comm(output_tensor=, input_tensor=, group=, async_op=)`` when
     a custom all-gather is set. Over one rank the segment is the whole buffer: no collective
-    (as torch's FSDP2; NO_SHARD's one-rank shard groups too)."""
-    if over.world == 1:
+    (as torch's FSDP2; NO_SHARD's one-rank shard groups too) unless ``issue_at_world_one(True)``. A
+    group's plan binds ``over`` and ``comm`` once (``GatherPlan.gather``)."""
+    if over.world == 1 and not _at_world_one:
         return None
     inp = segment(out, over.rank, over.world)
     if comm is not None:
@@ -145,8 +161,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGrou
                    async_op: bool, *, comm: Any = None) -> dist.Work | None:
     """``out`` = this rank's segment of ``inp`` reduced over ``group`` (by ``comm(output_tensor=,
     input_tensor=, group=, op=, async_op=)`` when a custom reduce-scatter is set); over one rank
-    (``inp`` is one segment) a copy, no collective."""
-    if out.numel() == inp.numel():
+    (``inp`` is one segment) a copy, no collective, unless ``issue_at_world_one(True)``."""
+    if out.numel() == inp.numel() and not _at_world_one:
         out.copy_(inp)
         return None
     if comm is not None:
@@ -185,16 +201,20 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None,
 
 
 def all_reduce_async(group: dist.ProcessGroup, op: dist.ReduceOp,
-                     dtype: torch.dtype) -> Callable[[torch.Tensor], dist.Work | None]:
-    """``lambda t: all_reduce(t, group, op, async_op=True)`` for plain tensors of ``dtype`` (a reduce
-    plan's collective), with what does not change between calls decided once: the group's type, the
-    dtype, the options object. Per call: ``direct_calls``, the tensor's type, a torch function mode."""
+                     dtype: torch.dtype) -> Callable[[torch.Tensor, Any, Any], dist.Work | None]:
+    """``lambda t, *_: all_reduce(t, group, op, async_op=True)`` for plain tensors of ``dtype`` (a reduce
+    plan's in-place collective, called as ``(input, output, async_op)``: the output is the input, the
+    call is always asynchronous), with what does not change between calls decided once: the group's type,
+    the dtype, the options object. Per call: ``direct_calls``, the tensor's type, a torch function mode."""
     if not isinstance(group, dist.ProcessGroup) or dtype.is_complex:
-        return lambda tensor: all_reduce(tensor, group, op, async_op=True)
+        def wrapped(tensor: torch.Tensor, _out: Any = None, _async: Any = True) -> dist.Work | None:
+            return all_reduce(tensor, group, op, async_op=True)
+
+        return wrapped
     opts = _options(dist.AllreduceOptions, True, op)
     allreduce = group.allreduce
 
-    def call(tensor: torch.Tensor) -> dist.Work | None:
+    def call(tensor: torch.Tensor, _out: Any = None, _async: Any = True) -> dist.Work | None:
         if _use_direct and type(tensor) is torch.Tensor and not has_torch_function_unary(tensor):
             return allreduce([tensor], opts)  # type: ignore[no-any-return]
         return all_reduce(tensor, group, op, async_op=True)

@@ -1,7 +1,13 @@
-"""Where collectives run: dedicated streams + events on accelerators, async work handles on CPU.
+"""Where collectives run and in what order: dedicated streams + events on accelerators, async work on CPU.
 
-See design/streams.md. One ``CommContext`` per root holds the streams and the two pieces of
-cross-stream memory bookkeeping that replace ``record_stream``:
+See design/streams.md. One ``CommContext`` per root holds the streams and tells the whole stream protocol
+of the two directions, each as a verb pair the core calls with its data callbacks: ``all_gather`` /
+``finish_all_gather`` and ``reduce_scatter`` (+ ``all_reduce_replicas`` for HSDP) / ``finish_reduce`` (+
+``run_hook``); ``start_forward``, ``end_forward`` and ``end_backward`` are the iteration's bookkeeping. Each
+verb has two branches: the accelerator's (streams, events) and the CPU's (the host runs in order, the
+collective is issued asynchronously), so the stream stand-in (tests/distributed/stream_standin.py) drives
+exactly this code. It also holds the two pieces of cross-stream memory bookkeeping that replace
+``record_stream``:
 
 * ``all_gather_state``: the previous all-gather buffer and the event recorded after its copy-out.
   The next unshard makes the copy-in stream wait on that event before dropping the buffer, which
@@ -18,6 +24,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,6 +48,7 @@ class Pending:
     event: Any = None  # torch.Event recorded on the collective's stream after it was issued
     waited: bool = False
     timing: trace.CollectiveTiming | None = None  # only while a trace observer is registered
+    held: Any = None  # what the collective's input was read from, kept alive until waited (a k-partial block)
 
     def wait(self, ctx: CommContext) -> None:
         if self.waited:
@@ -59,6 +67,7 @@ class Pending:
             timing.t_wait = t0
             timing.exposed_s = time.perf_counter() - t0
         self.waited = True
+        self.held = None  # (the consumer now follows the copy-in that read it: free to reuse)
 
     def done(self) -> bool:
         if self.future is not None:
@@ -90,7 +99,8 @@ def stand_in(device_module: Any) -> Iterator[None]:
 
 
 class CommContext:
-    """Streams and cross-stream buffer bookkeeping shared by all groups under one root."""
+    """The streams of one root, the order an all-gather and a reduce follow on them (the verbs), and the
+    cross-stream buffer bookkeeping shared by all groups under the root."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -109,6 +119,156 @@ class CommContext:
             self.reduce_scatter_stream = mod.Stream(device=device, priority=-1)
             self.all_reduce_stream = mod.Stream(device=device)
             self._mod = mod
+
+    # --- the all-gather --------------------------------------------------------------------------
+    def all_gather(self, copy_in: Callable[[], torch.Tensor],
+                   collective: Callable[[torch.Tensor, bool], dist.Work | None], *, after: Any = None,
+                   prepare: Callable[[], bool] | None = None, hold: Any = None) -> tuple[torch.Tensor, Pending]:
+        """Issue one all-gather; returns the gathered buffer and what ``finish_all_gather`` waits on.
+
+        In order: the copy-in follows the optimizer step that updated the shards (once per iteration:
+        ``order_copy_in``); ``prepare()`` runs on compute (a tensor-subclass unit's first unshard: its
+        pre-hooks and the every-rank layout check) and where it returns True the copy-in follows compute
+        too; on the copy-in stream the previous gathered buffer is let go once
+        its copy-out has read it, ``after`` (an event recorded on compute: the k-partial block's write) is
+        waited, and ``copy_in()`` allocates the buffer and writes this rank's segment; the all-gather stream
+        waits for the copy-in and ``collective(buffer, async_op)`` is issued there, an event marking its end.
+        ``hold`` (what the copy-in read) stays alive until the all-gather is waited. On CPU the host runs the
+        copy-in in order and the collective is issued asynchronously."""
+        if not self.accelerated:
+            self.order_copy_in(None)
+            if prepare is not None:
+                prepare()
+            out = copy_in()
+            timing = trace.CollectiveTiming() if trace.observers else None
+            pending = self.issued(collective(out, True), timing)
+        else:
+            copy_in_stream = self.all_gather_copy_in_stream
+            self.order_copy_in(copy_in_stream)
+            if prepare is not None and prepare():
+                copy_in_stream.wait_stream(self.current_stream())
+            with self._mod.stream(copy_in_stream):
+                self.release_all_gather_buffer()
+                if after is not None:
+                    copy_in_stream.wait_event(after)
+                out = copy_in()
+            self.all_gather_stream.wait_stream(copy_in_stream)
+            pending = self.issue("all_gather", partial(collective, out))
+        pending.held = hold
+        return out, pending
+
+    def finish_all_gather(self, out: torch.Tensor, pending: Pending, copy_out: Callable[[torch.Tensor], None], *,
+                          event: trace.TraceEvent | None = None) -> float:
+        """Wait for an all-gather (the compute stream on accelerators, the host on CPU), run
+        ``copy_out(buffer)``, then hold the buffer until the next all-gather's copy-in stream has seen
+        the copy-out (accelerators; on CPU it is dropped: nothing else reads it). While observed, returns
+        the seconds the host blocked in the wait and fills ``event`` (the all-gather's trace event)."""
+        timed = event is not None or bool(trace.observers)  # (the clock is read only for an observer)
+        t0 = time.perf_counter() if timed else 0.0
+        pending.wait(self)
+        exposed = time.perf_counter() - t0 if timed else 0.0
+        if event is not None:
+            event.t_end = time.perf_counter()
+            event.exposed_s = exposed
+        copy_out(out)
+        if self.accelerated:
+            self.all_gather_state = (out, self.current_stream().record_event())
+        return exposed
+
+    def compute_event(self) -> Any:
+        """An event after the work queued on compute so far, for a later copy-in to wait on (``after``);
+        None on CPU."""
+        return self.current_stream().record_event() if self.accelerated else None
+
+    # --- the reduce --------------------------------------------------------------------------------
+    def reduce_scatter(self, copy_in: Callable[[], torch.Tensor],
+                       collective: Callable[[torch.Tensor, torch.Tensor | None, bool], dist.Work | None], *,
+                       output: Callable[[], torch.Tensor] | None = None,
+                       keep_inputs: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, Pending]:
+        """Issue one reduce-scatter; returns its input, its output (None: written in place into the input,
+        gloo's all-reduce) and what ``finish_reduce`` waits on.
+
+        In order: held reduce-scatter inputs beyond ``keep_inputs`` are let go once compute has waited on
+        their collectives (the caching allocator may hand their blocks to the copy-in at once);
+        ``copy_in()`` allocates and packs the input on compute; the reduce-scatter stream waits for it,
+        ``output()`` is allocated there (None: the collective reduces the input in place) and
+        ``collective(input, output, async_op)`` issued there, an event marking its end; the input is held
+        until compute has waited on that event. On CPU the host runs in order and the collective is
+        issued asynchronously."""
+        if self.reduce_scatter_states:  # (accelerators)
+            self.release_reduce_scatter_inputs(keep=keep_inputs)
+        inp = copy_in()
+        if not self.accelerated:
+            out = output() if output is not None else None
+            timing = trace.CollectiveTiming() if trace.observers else None
+            return inp, out, self.issued(collective(inp, out, True), timing)
+        stream = self.reduce_scatter_stream
+        stream.wait_stream(self.current_stream())
+        with self._mod.stream(stream):
+            out = output() if output is not None else None
+        pending = self.issue("reduce_scatter", lambda async_op: collective(inp, out, async_op))
+        self.reduce_scatter_states.append((inp, pending.event))  # until its collective is done
+        return inp, out, pending
+
+    def all_reduce_replicas(self, reduce_scatter: Pending, accumulate: Callable[[], torch.Tensor | None],
+                            collective: Callable[[torch.Tensor, bool], dist.Work | None]) -> tuple[
+                                torch.Tensor | None, Pending | None]:
+        """HSDP: the replicas' all-reduce of a reduce-scattered shard, issued as soon as its reduce-scatter
+        is done, on its own stream, so it overlaps the next unit's backward. ``accumulate()`` runs on the
+        reduce-scatter stream after the reduce-scatter (which wrote both operands of a partial sum under
+        ``set_requires_all_reduce(False)``) and returns the shard to all-reduce, or None to keep summing;
+        the all-reduce stream then waits for it and ``collective(shard, async_op)`` is issued there. On CPU,
+        where nothing else orders one collective after another, the host waits for the reduce-scatter."""
+        self.order_after("all_reduce", reduce_scatter)  # (CPU: the host waits, so accumulate sees it)
+        if not self.accelerated:
+            output = accumulate()
+            return (None, None) if output is None else (output, self.issue("all_reduce", partial(collective, output)))
+        with self._mod.stream(self.reduce_scatter_stream):
+            output = accumulate()
+        if output is None:
+            return None, None
+        self.all_reduce_stream.wait_stream(self.reduce_scatter_stream)
+        return output, self.issue("all_reduce", partial(collective, output))
+
+    def finish_reduce(self, reduce_scatter: Pending, all_reduce: Pending | None) -> None:
+        """Wait for one reduce's collectives (the compute stream on accelerators, the host on CPU)."""
+        reduce_scatter.wait(self)
+        if all_reduce is not None:
+            all_reduce.wait(self)
+
+    def run_hook(self, hook: Callable[[], None], stream: Any = None) -> None:
+        """Run ``hook()`` on ``stream`` (default: the all-reduce stream) after compute, and compute after
+        it (``set_all_reduce_hook``); on CPU on the host."""
+        if not self.accelerated:
+            hook()
+            return
+        stream = stream or self.all_reduce_stream
+        stream.wait_stream(self.current_stream())
+        with self._mod.stream(stream):
+            hook()
+        self.current_stream().wait_stream(stream)
+
+    # --- the iteration's bookkeeping --------------------------------------------------------------
+    def start_forward(self) -> None:
+        """The root's forward begins: its first copy-in orders after compute (the optimizer step) again."""
+        self.copy_in_ordered = False
+
+    def end_forward(self) -> None:
+        """The root's forward ended: let go of the last gathered buffer (not held through the head and
+        the loss, as torch)."""
+        self.release_all_gather_buffer()
+
+    def end_backward(self, *, reduces_finished: bool, step_ended: bool) -> None:
+        """A backward ended. ``reduces_finished``: every reduce it issued was finished, so the held
+        reduce-scatter inputs go (not held through the optimizer step, as torch) and the host waits for
+        the gradients' copies to it (CPU offload) before anything on it reads them. ``step_ended``: the
+        step's backward (not one inside a list unit's open pass): the next copy-in orders after compute
+        again."""
+        if reduces_finished:
+            self.release_reduce_scatter_inputs()
+            self.sync_grad_offload()
+        if step_ended:
+            self.copy_in_ordered = False
 
     # --- stream helpers (no-ops on CPU) ---------------------------------------------------------
     def current_stream(self) -> Any:
@@ -144,7 +304,8 @@ class CommContext:
         iteration (torch waits once, too: later copy-ins, backward prefetches included, would only
         queue behind unrelated compute): after the compute stream, or after ``set_post_optim_event``'s
         event only. On CPU the host already runs the step first; the event (``torch.Event`` or any
-        object with ``synchronize()`` or ``wait()``) is waited on the host. ``new_iteration`` re-arms it."""
+        object with ``synchronize()`` or ``wait()``) is waited on the host. ``start_forward`` and
+        ``end_backward(step_ended=True)`` re-arm it."""
         if self.copy_in_ordered:
             return
         self.copy_in_ordered = True
@@ -155,10 +316,6 @@ class CommContext:
             copy_in_stream.wait_event(event)
         else:
             (getattr(event, "synchronize", None) or event.wait)()
-
-    def new_iteration(self) -> None:
-        """End of a backward (or a forward without one): the next copy-in orders after compute again."""
-        self.copy_in_ordered = False
 
     def stream(self, name: str) -> Any:
         """``all_gather_copy_in`` | ``all_gather`` | ``reduce_scatter`` | ``all_reduce`` (None on CPU)."""
@@ -174,11 +331,6 @@ class CommContext:
                 self.stream("all_gather_copy_in").wait_event(event)
             self.all_gather_state = None
 
-    def hold_all_gather_buffer(self, buffer: torch.Tensor) -> None:
-        if not self.accelerated:  # CPU: the copy-out has already read it; holding it only costs memory
-            return
-        self.all_gather_state = (buffer, self.record_event(self.current_stream()))
-
     def release_reduce_scatter_inputs(self, *, keep: int = 0) -> None:
         """Let go of the oldest held reduce-scatter inputs until ``keep`` remain, each once the compute
         stream (which allocated it) has waited on the event after its collective: the caching
@@ -187,9 +339,6 @@ class CommContext:
             _, event = self.reduce_scatter_states.popleft()
             if event is not None:
                 self.current_stream().wait_event(event)
-
-    def hold_reduce_scatter_input(self, buffer: torch.Tensor, event: Any) -> None:
-        self.reduce_scatter_states.append((buffer, event))
 
     def hold_grad_offload_event(self) -> None:
         """CPU offload: grads were just copied to the host asynchronously on the current stream."""
@@ -232,7 +381,7 @@ class CommContext:
         its own stream after it) and an event marks completion; on CPU it is issued with
         ``async_op=True`` and the work handle is waited just before use, so it overlaps compute.
         """
-        timing = trace.CollectiveTiming() if trace.enabled() else None
+        timing = trace.CollectiveTiming() if trace.observers else None
         if not self.accelerated:
             return self.issued(fn(True), timing)
         stream = self.stream(stream_name)

@@ -74,21 +74,23 @@ class TraceEvent:
 OPTIMIZER_UNIT = "<optimizer>"  # the fqn of optimizer collectives' events
 
 Observer = Callable[[TraceEvent], None]
-_observers: list[Observer] = []
+# The registered observers. The runtime's hot path reads this list's truth value itself (no call into this
+# file per event while nobody observes); only ``observe`` changes it.
+observers: list[Observer] = []
 
 
 def emit(event: TraceEvent) -> None:
-    for observer in _observers:
+    for observer in observers:
         observer(event)
 
 
 def enabled() -> bool:
-    return bool(_observers)
+    return bool(observers)
 
 
 def emit_if_observed(kind: EventKind, fqn: str, phase: Phase, **fields: Any) -> TraceEvent | None:
     """Build and emit the event only while an observer is registered (else one truthiness check)."""
-    if not _observers:
+    if not observers:
         return None
     event = TraceEvent(kind, fqn, phase, **fields)
     emit(event)
@@ -98,11 +100,11 @@ def emit_if_observed(kind: EventKind, fqn: str, phase: Phase, **fields: Any) -> 
 @contextlib.contextmanager
 def observe(observer: Observer) -> Iterator[None]:
     """Call ``observer(event)`` for every runtime event inside the block."""
-    _observers.append(observer)
+    observers.append(observer)
     try:
         yield
     finally:
-        _observers.remove(observer)
+        observers.remove(observer)
 
 
 @contextlib.contextmanager

@@ -15,11 +15,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
-from ..interop.composable import check_not_replicated, mark_fully_shard
-from ..interop.dynamo import mark_managed
 from ..parallel.mesh import DataParallelMeshDims, MeshInfo, default_mesh, describe_mesh, subgroup
 from . import registry
 from .checks import check_same_call, describe_call
+from .composable import check_not_replicated, mark_fully_shard
+from .dynamo import mark_managed
 from .group import ParamGroup
 from .module import FSDPModule
 from .param import ShardedParam
@@ -90,8 +90,9 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
                          k_subgroup if info is mesh_info else None, all_gather_policy=all_gather_policy,
                          data_parallel_world=world)
               for info in meshes.used]
+    for group in groups:
+        group.register_sharded()
     for p in params:
-        p.register_sharded()
         registry.set_owner(p.sharded_param, f"{unit_name} (param {p.fqn!r})")
     registry.announce_sharded(params, [p for p, _ in slots])  # e.g. the local-shard optimizer step (optim/)
     state = FSDPState(modules, groups, mesh_info, device, mp_policy, reshard_after_forward)
@@ -207,11 +208,12 @@ def _shard_params(slots: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str
 
 def _check_groups(params: list[ShardedParam], meshes: MeshGroups, reshard_after_forward: bool | int | None,
                   all_gather_policy: AllGatherPolicy, device: torch.device) -> None:
-    """Per-parameter meshes (several groups, or one group on another mesh than the call's): what they do
-    not support, refused with the fix."""
+    """Per-parameter meshes (several groups, or one group on another mesh than the call's): a mesh that does
+    not reduce over the call's data-parallel ranks, and what they do not support, refused with the fix."""
     others = [info for info in meshes.used if info is not meshes.default]
     if not others:
         return
+    _check_data_parallel_ranks(params, meshes.default)
     k = reshard_after_forward
     fqns = [p.fqn for p in params if p.mesh_info is not meshes.default][:4]
     if k is not None and not isinstance(k, bool):
@@ -224,6 +226,54 @@ def _check_groups(params: list[ShardedParam], meshes: MeshGroups, reshard_after_
             f"all_gather_policy={all_gather_policy!r} with per-parameter meshes (shard_placement_fn put {fqns} on "
             f"{describe_mesh(others[0].mesh)}). Fix: drop the policy for this unit, or shard those parameters "
             "in their own fully_shard call.")
+
+
+def _check_data_parallel_ranks(params: list[ShardedParam], default: MeshInfo) -> None:
+    """A parameter on another mesh than the call's must have its gradient reduced over exactly the call's
+    data-parallel ranks, which the default divisor (their count) assumes (design/experts.md, "Which meshes
+    a parameter may take"): a plain parameter's mesh holds exactly those ranks; a DTensor parameter's (an
+    expert's) mesh times its own mesh covers them (efsdp x ep = dp: the expert dispatch's autograd sums over
+    ep). Anything else trains silently wrong: the gradient is a partial sum divided by the whole world and
+    each group of ranks holds another one (the replicas diverge), so it is refused with the arithmetic.
+    This rank's slices of the meshes decide (no collective): every rank of meshes built by
+    ``init_device_mesh`` reaches the same verdict."""
+    dp = _ranks(default.mesh)
+    world = len(dp)
+    for p in params:
+        info = p.mesh_info
+        if info is default:
+            continue
+        own = _ranks(info.mesh)
+        where = (f"this fully_shard call's data-parallel ranks are {sorted(dp)} (mesh {describe_mesh(default.mesh)}), "
+                 f"and the default divisor is their count, {world}")
+        if not p.spec.is_dtensor:
+            if own == dp:
+                continue
+            raise ValueError(
+                f"parameter {p.fqn!r}: shard_placement_fn put it on {describe_mesh(info.mesh)}, ranks {sorted(own)}, "
+                f"but {where}: its gradient would be summed over {len(own)} ranks and divided by {world} "
+                f"({len(own)}/{world} of the mean gradient), and every group of {len(own)} ranks would hold another "
+                "sum, so the replicas diverge. A plain parameter is reduced over exactly the data-parallel ranks; "
+                "only an expert-parallel DTensor may take a smaller mesh (its dispatch sums over the rest). Fix: "
+                "return None (the fully_shard mesh) for this parameter, or a mesh over exactly those ranks.")
+        covered = _ranks(p.spec.mesh)
+        if dp <= covered:
+            continue
+        assert p.spec.unsharded_mesh is not None
+        summed = len(covered & dp)
+        raise ValueError(
+            f"parameter {p.fqn!r} is a DTensor on {describe_mesh(p.spec.unsharded_mesh)} and shard_placement_fn put "
+            f"it on {describe_mesh(info.mesh)}: together ranks {sorted(covered)}, which miss ranks "
+            f"{sorted(dp - covered)}, "
+            f"but {where}: its gradient would be summed over {summed} ranks and divided by {world} ({summed}/{world} "
+            "of the mean gradient), and the replicas in the other groups diverge. Fix: give the expert an FSDP mesh "
+            "that, times its expert-parallel mesh, covers the data-parallel ranks (torchtitan's efsdp = dp // ep, "
+            "both sliced from one mesh).")
+
+
+def _ranks(mesh: DeviceMesh) -> set[int]:
+    """The global ranks of this rank's slice of ``mesh``."""
+    return {int(r) for r in mesh.mesh.flatten().tolist()}
 
 
 def _check_dtensor_params(params: list[ShardedParam], reshard_after_forward: bool | int | None,

@@ -1,20 +1,69 @@
-"""One unit's all-gather when it holds tensor-subclass parameters: the segment's pieces, one collective, the checks.
+"""GatherPlan: one group's all-gather tensors, fixed at lazy init: copy-in sources, copy-out targets, split sizes.
 
-See design/tensor-subclass-extension.md; the per-parameter hooks are extension.py's ``Extension``.
+See design/data-path.md ("Unshard"). A ``ParamGroup`` builds its plan at lazy init and again when what it was
+built from changes: the sharded parameters or their dtype (``adopt_module_params``: ``module.to(dtype)``,
+``to_empty``) or the custom all-gather (``set_custom_all_gather``, process-group allocation). The plan holds
+references to tensors that exist anyway (each sharded DTensor parameter, whose local shard is read at every
+copy-in so a ``swap_tensors`` is seen; the padding zeros, shared by size; each parameter's unsharded storage
+and write tensor), no new tensor object per parameter (design/data-path.md). Per unshard it is:
+
+- ``copy_in``: the gathered buffer allocated and this rank's segment written in one fused copy;
+- ``copy_out``: the unsharded storages allocated and the gathered rows written into them in one split;
+- ``kept`` / ``copy_in_kept`` (``reshard_after_forward=k``): the block a rank keeps at reshard, and its
+  copy into this rank's k-subgroup segment at the next unshard; ``free``: the storages freed at reshard.
+
+Its variant says what one rank's segment holds:
+
+- plain: each padded shard cast to ``param_dtype``, back to back (``layout.FlatLayout``);
+- int8 (``QuantizedAllGather``): the segment quantized into int8 blocks + float32 scales packed as bytes,
+  dequantized before the split (quantize.py, design/quantized-all-gather.md);
+- tensor subclass: the inputs of each extension parameter's ``fsdp_pre_all_gather`` beside the plain
+  parameters' shards, as ``uint8`` where their dtypes differ (extension.py,
+  design/tensor-subclass-extension.md); the layout is agreed by every rank at the unit's first unshard.
+
+The k-partial all-gather gathers a plain unit's segments over a k-rank subgroup from the kept block.
 """
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from ..comm import collectives
+from ..comm.collectives import Alloc, allocate
+from ..parallel import local_dtensor
+from ..parallel.mesh import MeshInfo, SubgroupInfo
+from . import quantize
 from .extension import InputSpec
+from .layout import FlatLayout
 from .param import ShardedParam
 from .policy import MixedPrecisionPolicy
+from .quantize import BlockLayout
 
-__all__ = ["GatherPlan", "param_dtype_for"]
+__all__ = ["GatherPlan", "GatherVariant", "param_dtype_for"]
+
+# private (design/private-torch.md): without it the copy-in is one torch.cat of flattened shards (a view each
+# per unshard)
+_chunk_cat = getattr(torch, "_chunk_cat", None)
+_local = local_dtensor.read_local  # a DTensor's local tensor, read without a Python frame
+
+# Padding zeros, read only: one tensor per (size, dtype, device), shared by every parameter that pads
+# its shard by that much (a tensor object per parameter would be host memory kept for the process's life)
+_ZEROS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _shared_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (numel, dtype, device)
+    zeros = _ZEROS.get(key)
+    if zeros is None:
+        zeros = _ZEROS[key] = torch.zeros(numel, dtype=dtype, device=device)
+    return zeros
 
 
 def param_dtype_for(param: ShardedParam, mp_policy: MixedPrecisionPolicy) -> torch.dtype:
@@ -24,46 +73,271 @@ def param_dtype_for(param: ShardedParam, mp_policy: MixedPrecisionPolicy) -> tor
     return mp_policy.param_dtype if mp_policy.param_dtype is not None and orig.is_floating_point else orig
 
 
+class GatherVariant(enum.Enum):
+    PLAIN = "plain"
+    QUANTIZED = "int8"  # QuantizedAllGather
+    SUBCLASS = "subclass"  # some parameter gathers through fsdp_pre/post_all_gather
+
+
+@dataclass(frozen=True, slots=True)
+class _Flattened:
+    """One parameter's pieces where the copy-in flattens them per unshard (a ``Shard(d > 0)`` or 0-dim
+    parameter, an empty shard, a shard to move to the device first, mixed dtypes)."""
+
+    sharded: DTensor
+    shard_dim: int
+    to_device: bool  # CPU offload (or a shard elsewhere): copied to the device, asynchronously where pinned
+    pad: torch.Tensor | None  # the zeros after it (padding to the padded shard)
+    block_pad: torch.Tensor | None  # int8: the zeros that fill its last quantization block
+
+
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    """A parameter whose gathered rows are not its storage: a replicated (0-dim) one (one slot per rank) or
+    ``Shard(d > 0)`` (the rows are the shard dim, the parameter contiguous in its own layout, as torch's).
+    The split writes its rows into a fresh buffer, copied once more into ``write``."""
+
+    index: int  # its slot in the split's outputs
+    size: int  # its elements per rank
+    write: torch.Tensor  # ShardedParam.unsharded_write (flat)
+    replicated: bool
+    numel: int
+    shape: tuple[int, ...]  # the unsharded shape with the shard dim first
+    unsharded_shape: tuple[int, ...]
+    shard_dim: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Agreed:
+    """A tensor-subclass unit's segment, fixed at its first unshard by every rank's pre-hook answers."""
+
+    as_bytes: bool
+    dtype: torch.dtype
+    split: tuple[int, ...]  # elements (bytes where as_bytes) of each piece
+    shard_units: int  # elements (bytes) of one rank's segment
+
+
 class GatherPlan:
-    """One unit's all-gather when it holds extension parameters: the pieces of one rank's segment in
-    order (a plain parameter's padded shard at ``param_dtype``, then each input of an extension
-    parameter), gathered in one collective; in ``uint8`` bytes when the pieces' dtypes differ (as torch).
+    """One group's all-gather: what its copy-in reads, what its copy-out writes, how the buffer splits
+    (see the module docstring)."""
 
-    The layout is fixed at the unit's first unshard, which every rank reaches in the same order: the
-    pre-hooks' answers are exchanged there (one control collective) and checked by every rank alike."""
-
-    def __init__(self, group: Any, exchange: Any) -> None:
-        self.group = group
-        self.params: list[ShardedParam] = group.params
-        self.mp_policy: MixedPrecisionPolicy = group.mp_policy
-        self.param_dtype: torch.dtype = group.param_dtype
-        self.device: torch.device = group.device
-        self.world: int = group.mesh_info.shard_world
-        self.exchange = exchange  # exchange(obj, process_group) -> every rank's obj (collectives.all_gather_object)
-        self.as_bytes = False
-        self.dtype = self.param_dtype
-        self.split: list[int] | None = None  # elements (or bytes) of each piece; None until the first unshard
-        self._agreed_inputs: dict[int, list[torch.Tensor] | str] | None = None  # the first unshard's, from agree()
-        self.shard_units = 0  # elements (or bytes) of one rank's segment
-
-    @classmethod
-    def of(cls, group: Any, exchange: Any) -> GatherPlan | None:
-        """Lazy init of ``group``: None without extension parameters."""
-        exts = [p.extension for p in group.params if p.extension is not None]
-        if not exts:
-            return None
-        if group.blocks is not None or group.subgroup is not None:
-            what = "QuantizedAllGather" if group.blocks is not None else "reshard_after_forward=k (k-rank subgroups)"
+    def __init__(self, params: list[ShardedParam], *, fqn: str, flat: FlatLayout, blocks: BlockLayout | None,
+                 param_dtype: torch.dtype, device: torch.device, mesh_info: MeshInfo, subgroup: SubgroupInfo | None,
+                 mp_policy: MixedPrecisionPolicy, comm: Any = None, agreed: GatherPlan | None = None) -> None:
+        self.params = params
+        self.fqn = fqn
+        self.flat = flat
+        self.blocks = blocks
+        self.param_dtype = param_dtype
+        self.device = device
+        self.mesh_info = mesh_info
+        self.world = flat.world
+        self.rank = mesh_info.shard_rank
+        self.mp_policy = mp_policy
+        self.alloc: Alloc | None = comm.allocate if comm is not None else None
+        exts = [p.extension for p in params if p.extension is not None]
+        self.variant = (GatherVariant.SUBCLASS if exts else
+                        GatherVariant.QUANTIZED if blocks is not None else GatherVariant.PLAIN)
+        if exts and (blocks is not None or subgroup is not None):
+            what = "QuantizedAllGather" if blocks is not None else "reshard_after_forward=k (k-rank subgroups)"
             raise NotImplementedError(
-                f"fully_shard unit {group.fqn or '<root>'!r}: {what} cannot be combined with the tensor-subclass "
+                f"fully_shard unit {fqn or '<root>'!r}: {what} cannot be combined with the tensor-subclass "
                 f"all-gather extension of {exts[0].param.fqn} ({exts[0].type_name}); the subclass decides what "
                 "is gathered. Fix: shard that parameter in a fully_shard call without it.")
-        return cls(group, exchange)
+        # the collective over the shard group, and over the k-subgroup from a kept block
+        self.over = mesh_info.shard_subgroup
+        self.gather = partial(collectives.all_gather, self.over, comm=comm)
+        self.kept_over = subgroup
+        self.gather_kept = partial(collectives.all_gather, subgroup, comm=comm) if subgroup is not None else None
+        # copy-in sources: the sharded parameters (their local shards read per copy-in) and padding zeros
+        self.sharded = tuple(p.sharded_param for p in params)
+        self.pads: tuple[torch.Tensor | None, ...] | None = None  # fused copy-in: None where nothing pads
+        self.fused = self.variant is GatherVariant.PLAIN and self._fusable()
+        self.flattened: tuple[_Flattened, ...] = () if self.fused else self._flattened()
+        # copy-out targets: each parameter's storage (allocated first), its rows, the split
+        self.storages = tuple((p.unsharded_storage, p.unsharded_nbytes) for p in params
+                              if p.extension is None and p.unsharded_storage is not None)
+        self.extensions = tuple(exts)
+        sizes = blocks.pieces if blocks is not None else tuple(s for size in flat.sizes for s in (size, 0))
+        self.splits: list[int] = []
+        self.outs: list[torch.Tensor | None] = []  # None: a fresh buffer per unshard (staged, block padding)
+        staged: list[_Staged] = []
+        for p, size, block_pad in zip(params, sizes[0::2], sizes[1::2]):
+            if p.staged_gather:
+                write = p.unsharded_write
+                staged.append(_Staged(len(self.outs), size, write, p.layout.replicated, p.layout.numel,
+                                      p.layout.shape, p.unsharded_shape, p.shard_dim))
+                self.outs.append(None)
+            else:  # the storage is resized in place: the write tensor stays valid
+                self.outs.append(p.unsharded_write if p.extension is None else None)
+            self.splits.append(size)
+            if block_pad:
+                self.outs.append(None)
+                self.splits.append(block_pad)
+        self.staged = tuple(staged)
+        # (asked once here: ``None in outs`` would compare every tensor with None, a torch call each)
+        self.fresh = any(o is None for o in self.outs)
+        self.agreed: _Agreed | None = agreed.agreed if agreed is not None else None
+        self._agreed_inputs: dict[int, list[torch.Tensor] | str] | None = None  # the first unshard's (agree)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the gathered buffer (every rank's segment)."""
-        return self.world * self.shard_units * self.dtype.itemsize
+        """Bytes of the gathered buffer at ``param_dtype`` (padding included; a tensor-subclass unit's once
+        agreed)."""
+        if self.agreed is not None:
+            return self.world * self.agreed.shard_units * self.agreed.dtype.itemsize
+        return self.flat.total_numel * self.param_dtype.itemsize
+
+    # --- building ------------------------------------------------------------------------------------
+    def _fusable(self) -> bool:
+        """One ``torch._chunk_cat`` writes the segment where every piece is a non-empty ``Shard(0)`` shard on
+        the device (or its padding) of one dtype: it flattens each in C++, so no view per parameter is made
+        per unshard nor kept between them."""
+        if _chunk_cat is None or not self.params:
+            return False
+        dtypes = set()
+        pads: list[torch.Tensor | None] = []
+        for p, d in zip(self.params, self.sharded):
+            local = _local(d)
+            if p.offload or p.shard_dim or p.layout.replicated or not p.local_numel or local.device != self.device:
+                return False
+            dtypes.add(local.dtype)
+            pads.append(_shared_zeros(p.padding_numel, local.dtype, local.device) if p.padding_numel else None)
+        if len(dtypes) > 1:
+            return False
+        self.pads = tuple(pads) if any(z is not None for z in pads) else None
+        return True
+
+    def _flattened(self) -> tuple[_Flattened, ...]:
+        out = []
+        block_pads = self.blocks.pieces[1::2] if self.blocks is not None else (0,) * len(self.params)
+        for p, d, block_pad in zip(self.params, self.sharded, block_pads):
+            if p.extension is not None:
+                continue
+            local = _local(d)
+            to_device = p.offload or local.device != self.device
+            dtype = local.dtype
+            out.append(_Flattened(d, p.shard_dim, to_device,
+                                  _shared_zeros(p.padding_numel, dtype, self.device) if p.padding_numel else None,
+                                  _shared_zeros(block_pad, dtype, self.device) if block_pad else None))
+        return tuple(out)
+
+    # --- copy-in -------------------------------------------------------------------------------------
+    def copy_in(self) -> torch.Tensor:
+        """Allocate the gathered buffer and write this rank's segment: one ``_chunk_cat``, else one cat of
+        the flattened pieces (cast to ``param_dtype``), quantized (int8), or the subclass pieces."""
+        if self.variant is GatherVariant.SUBCLASS:
+            return self._copy_in_subclass()
+        if self.variant is GatherVariant.QUANTIZED:
+            assert self.blocks is not None
+            out = allocate(self.alloc, self.world * self.blocks.packed_nbytes, torch.uint8, self.device)
+            if self.flattened:
+                segment = out.narrow(0, self.rank * self.blocks.packed_nbytes, self.blocks.packed_nbytes)
+                quantize.pack(torch.cat(self._pieces()), self.blocks, segment)
+            return out
+        flat = self.flat
+        out = allocate(self.alloc, flat.total_numel, self.param_dtype, self.device)
+        if not self.params:
+            return out
+        own = out.narrow(0, self.rank * flat.shard_numel, flat.shard_numel)
+        if self.fused:
+            pads = self.pads
+            if pads is None:
+                sources = list(map(_local, self.sharded))
+            else:
+                sources = [t for local, zeros in zip(map(_local, self.sharded), pads)
+                           for t in ((local,) if zeros is None else (local, zeros))]
+            _chunk_cat(sources, 0, 1, out=own.view(1, -1))  # type: ignore[misc]  # (fused: not None)
+        else:
+            torch.cat(self._pieces(), out=own)
+        return out
+
+    def _pieces(self) -> list[torch.Tensor]:
+        """The flattened pieces of this rank's segment (their own dtype: the cat casts)."""
+        parts = []
+        for f in self.flattened:
+            local = _local(f.sharded)
+            flat = (local.movedim(f.shard_dim, 0) if f.shard_dim else local).reshape(-1)
+            if f.to_device:
+                flat = flat.to(self.device, non_blocking=True, copy=True)
+            parts.append(flat)
+            if f.pad is not None:
+                parts.append(f.pad)
+            if f.block_pad is not None:
+                parts.append(f.block_pad)
+        return parts
+
+    def kept(self) -> torch.Tensor:
+        """``reshard_after_forward=k``, at reshard: the block of the gathered buffer this rank keeps, segments
+        ``[r * W/k, (r + 1) * W/k)`` for its rank ``r`` in the k-subgroup, rebuilt from the unsharded
+        parameters (one cat)."""
+        assert self.kept_over is not None
+        world = self.world
+        per = world // self.kept_over.world
+        rows = slice(self.kept_over.rank * per, (self.kept_over.rank + 1) * per)
+        parts = []
+        for p, size in zip(self.params, self.flat.sizes):
+            write = p.unsharded_write
+            if p.layout.replicated:
+                parts.append(write.view(1, 1).expand(per, 1))
+            elif not p.shard_dim:
+                parts.append(write.view(world, size)[rows])
+            else:  # Shard(d > 0): the unsharded value in the communication layout, padded
+                flat = write.view(p.unsharded_shape).movedim(p.shard_dim, 0).reshape(-1)
+                parts.append(F.pad(flat, (0, world * size - flat.numel())).view(world, size)[rows])
+        return torch.cat(parts, dim=1).view(-1)
+
+    def copy_in_kept(self, block: torch.Tensor) -> torch.Tensor:
+        """Allocate the gathered buffer and write the kept ``block`` into this rank's k-subgroup segment."""
+        assert self.kept_over is not None
+        out = allocate(self.alloc, self.flat.total_numel, self.param_dtype, self.device)
+        size = self.flat.total_numel // self.kept_over.world
+        out.narrow(0, self.kept_over.rank * size, size).copy_(block)
+        return out
+
+    # --- copy-out ------------------------------------------------------------------------------------
+    def copy_out(self, out: torch.Tensor) -> None:
+        """Allocate the unsharded storages and write the gathered rows into them: one split (int8:
+        dequantized first, into a ``(world, blocked_numel)`` buffer; tensor subclasses: then their
+        post-hooks)."""
+        for storage, nbytes in self.storages:
+            if storage.size() != nbytes:
+                storage.resize_(nbytes)
+        for ext in self.extensions:
+            ext.alloc()
+        if self.variant is GatherVariant.SUBCLASS:
+            self._copy_out_subclass(out)
+            return
+        if self.blocks is not None:
+            blocks = self.blocks
+            packed = out.view(-1, blocks.packed_nbytes)
+            rows = quantize.dequantize(quantize.data_view(packed, blocks), quantize.scales_view(packed, blocks),
+                                       blocks.block_size, self.param_dtype)
+        else:
+            rows = out.view(self.world, self.flat.shard_numel)
+        outs = self.outs
+        if self.fresh:  # a fresh buffer where the rows are not a storage (staged, block padding)
+            outs = [o if o is not None else rows.new_empty((rows.shape[0], n)) for o, n in zip(outs, self.splits)]
+        if outs:
+            torch.split_with_sizes_copy(rows, self.splits, dim=1, out=outs)  # type: ignore[arg-type]
+        for s in self.staged:
+            _write_staged(s, outs[s.index])  # type: ignore[arg-type]  # (filled above)
+
+    def free(self) -> None:
+        """Reshard: free the unsharded storages (resized to 0; the tensors on them stay valid)."""
+        for storage, _ in self.storages:
+            storage.resize_(0)
+        for ext in self.extensions:
+            ext.free()
+
+    # --- tensor subclasses ---------------------------------------------------------------------------
+    def agree(self) -> bool:
+        """A tensor-subclass unit's first unshard only: run the pre-hooks and check every rank's layout (a
+        control collective, run on the compute stream, not inside the copy-in stream). True when it ran."""
+        if self.agreed is not None:
+            return False
+        self._agreed_inputs = self._inputs()
+        return True
 
     def _specs(self, p: ShardedParam) -> tuple[InputSpec, ...]:
         if p.extension is not None:
@@ -74,56 +348,47 @@ class GatherPlan:
     def _agree(self, inputs: dict[int, list[torch.Tensor] | str]) -> None:
         """First unshard: every rank checks every rank's pre-hook answers (the same verdict everywhere,
         raised on every rank), then fixes the layout and creates the gathered outputs."""
-        exts = [p.extension for p in self.params if p.extension is not None]
+        exts = self.extensions
         mine = [e.answer(inputs[id(e)]) for e in exts]
-        info = self.group.mesh_info
-        every = self.exchange(mine, info.shard_group) if info.shard_world > 1 else [mine]
+        info = self.mesh_info
+        every = collectives.all_gather_object(mine, info.shard_group) if info.shard_world > 1 else [mine]
         errors = [e.layout_error([answers[i] for answers in every]) for i, e in enumerate(exts)]
         verdict = next((err for err in errors if err), None)
         if info.replicate_group is not None and info.replicate_world > 1:  # HSDP: every replica decides alike
-            verdict = next((v for v in self.exchange(verdict, info.replicate_group) if v), None)
+            verdict = next((v for v in collectives.all_gather_object(verdict, info.replicate_group) if v), None)
         if verdict is not None:
-            raise ValueError(f"fully_shard unit {self.group.fqn or '<root>'!r}: {verdict}")
+            raise ValueError(f"fully_shard unit {self.fqn or '<root>'!r}: {verdict}")
         for e, (_, _, specs) in zip(exts, mine):
             e.specs = specs
             e.init_outputs(self.device)
             e.free()
         specs = [s for p in self.params for s in self._specs(p)]
-        self.as_bytes = len({s.dtype for s in specs}) > 1
-        self.dtype = torch.uint8 if self.as_bytes else specs[0].dtype
-        self.split = [s.nbytes if self.as_bytes else s.numel for s in specs]
-        self.shard_units = sum(self.split)
+        as_bytes = len({s.dtype for s in specs}) > 1
+        split = tuple(s.nbytes if as_bytes else s.numel for s in specs)
+        self.agreed = _Agreed(as_bytes, torch.uint8 if as_bytes else specs[0].dtype, split, sum(split))
 
     def _inputs(self) -> dict[int, list[torch.Tensor] | str]:
-        first = self.split is None
+        first = self.agreed is None
         inputs: dict[int, list[torch.Tensor] | str] = {}
-        for p in self.params:
-            if p.extension is None:
-                continue
+        for e in self.extensions:
             try:
-                inputs[id(p.extension)] = p.extension.pre_all_gather(self.mp_policy, self.device)
+                inputs[id(e)] = e.pre_all_gather(self.mp_policy, self.device)
             except Exception as exc:
                 if not first:
                     raise
-                inputs[id(p.extension)] = f"{type(exc).__name__}: {exc}"  # raised on every rank by _agree
+                inputs[id(e)] = f"{type(exc).__name__}: {exc}"  # raised on every rank by _agree
         if first:
             self._agree(inputs)
         return inputs
 
-    def agree(self) -> bool:
-        """First unshard only: run the pre-hooks and check every rank's layout (a control collective,
-        which the caller runs on the compute stream, not inside the copy-in stream). True when it ran."""
-        if self.split is not None:
-            return False
-        self._agreed_inputs = self._inputs()
-        return True
-
-    def copy_in(self, rank: int, *, alloc: Any = None) -> torch.Tensor:
-        """Allocate the gathered buffer (``alloc``: a custom comm's ``allocate``) and write this rank's
-        pieces into its segment: plain shards cast to ``param_dtype``, extension inputs from their
-        pre-hooks (the first unshard's came from ``agree``)."""
+    def _copy_in_subclass(self) -> torch.Tensor:
+        """Plain shards cast to ``param_dtype``, extension inputs from their pre-hooks (the first unshard's
+        came from ``agree``), in one cat (as bytes where the dtypes differ)."""
         inputs, self._agreed_inputs = self._agreed_inputs or self._inputs(), None
-        out = collectives.allocate(alloc, self.world * self.shard_units, self.dtype, self.device)
+        agreed = self.agreed
+        assert agreed is not None
+        out = allocate(self.alloc, self.world * agreed.shard_units, agreed.dtype, self.device)
+        plain = iter(self.flattened)
         parts: list[torch.Tensor] = []
         for p in self.params:
             if p.extension is not None:
@@ -132,31 +397,45 @@ class GatherPlan:
                 p.extension.check_inputs(ext_inputs)
                 pieces = [t.reshape(-1) for t in ext_inputs]
             else:
-                pieces = [t.to(self.param_dtype) for t in p.copy_in_parts(self.device)]
-            parts += [t.view(torch.uint8) for t in pieces] if self.as_bytes else pieces
-        torch.cat(parts, out=out.narrow(0, rank * self.shard_units, self.shard_units))
+                f = next(plain)
+                local = _local(f.sharded)
+                flat = (local.movedim(f.shard_dim, 0) if f.shard_dim else local).reshape(-1)
+                if f.to_device:
+                    flat = flat.to(self.device, non_blocking=True, copy=True)
+                pieces = [flat.to(self.param_dtype)] + ([f.pad.to(self.param_dtype)] if f.pad is not None else [])
+            parts += [t.view(torch.uint8) for t in pieces] if agreed.as_bytes else pieces
+        torch.cat(parts, out=out.narrow(0, self.rank * agreed.shard_units, agreed.shard_units))
         return out
 
-    def copy_out(self, out: torch.Tensor) -> None:
-        """Split the gathered rows into the plain parameters' unsharded storages and the extension
-        parameters' outputs (one split), then run the post-hooks."""
+    def _copy_out_subclass(self, out: torch.Tensor) -> None:
+        """Split the gathered rows into the plain parameters' storages and the extension parameters'
+        outputs (one split), then run the post-hooks."""
+        agreed = self.agreed
+        assert agreed is not None
+        staged = {s.index: s for s in self.staged}  # (one slot per parameter: no block padding here)
         outs: list[torch.Tensor] = []
-        staged: list[tuple[ShardedParam, torch.Tensor]] = []
-        for p in self.params:
+        fresh: list[tuple[_Staged, torch.Tensor]] = []
+        for i, (p, target) in enumerate(zip(self.params, self.outs)):
             if p.extension is not None:
-                outs += p.extension.output_rows(self.as_bytes)
+                outs += p.extension.output_rows(agreed.as_bytes)
                 continue
-            size = p.layout.padded_shard_numel
-            if p.staged_gather:  # 0-dim: one slot per rank, copied once more (ShardedParam.write_unsharded)
-                staged.append((p, torch.empty(self.world, size, dtype=self.param_dtype, device=self.device)))
-                dst = staged[-1][1]
-            else:
-                dst = p.unsharded_write.view(self.world, size)
-            outs.append(dst.view(torch.uint8) if self.as_bytes else dst)
-        assert self.split is not None
-        torch.split_with_sizes_copy(out.view(self.world, self.shard_units), self.split, dim=1, out=outs)
-        for p, rows in staged:
-            p.write_unsharded(rows)
+            if target is None:  # staged: a fresh buffer at param_dtype, copied below
+                s = staged[i]
+                target = torch.empty(self.world, s.size, dtype=self.param_dtype, device=self.device)
+                fresh.append((s, target))
+            outs.append(target.view(torch.uint8) if agreed.as_bytes else target)
+        torch.split_with_sizes_copy(out.view(self.world, agreed.shard_units), agreed.split, dim=1, out=outs)
+        for s, rows in fresh:
+            _write_staged(s, rows)
         for p in self.params:
             if p.extension is not None:
                 p.extension.post_all_gather(param_dtype_for(p, self.mp_policy))
+
+
+def _write_staged(s: _Staged, rows: torch.Tensor) -> None:
+    """Copy a staged parameter's gathered ``(world, size)`` rows into its storage."""
+    if s.replicated:  # every rank's slot holds the same value: take rank 0's
+        s.write.copy_(rows[0])
+        return
+    gathered = rows.reshape(-1)[:s.numel].view(s.shape)
+    s.write.view(s.unsharded_shape).copy_(gathered.movedim(0, s.shard_dim) if s.shard_dim else gathered)

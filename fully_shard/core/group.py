@@ -1,7 +1,9 @@
 """ParamGroup: the unit of communication (one fully_shard call); unshard, reshard and reduce.
 
-See design/param-lifecycle.md for the state machine and design/data-path.md for the buffers (every
-collective call itself lives in collectives.py, the streams it runs on in streams.py):
+See design/param-lifecycle.md for the state machine. The group tells each transition once: the tensors
+of its all-gather are its ``GatherPlan``'s (gather_plan.py), the stream protocol is its ``CommContext``'s
+verbs (comm/streams.py), the reduce side is its ``Reducer``'s (reduce.py); what the group does itself is
+put the sharded or the unsharded parameters in the modules' slots:
 
     SHARDED --unshard()--> UNSHARDING --wait_for_unshard()--> UNSHARDED
        ^                                                          |
@@ -15,17 +17,16 @@ from __future__ import annotations
 
 import enum
 import functools
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
-from ..comm import collectives, trace
+from ..comm import trace
 from ..comm.streams import CommContext, Pending
 from ..parallel.mesh import MeshInfo, SubgroupInfo
-from . import buffers, grad_mode
-from .gather_plan import GatherPlan
+from . import grad_mode
+from .gather_plan import GatherPlan, GatherVariant
 from .layout import FlatLayout
 from .param import ShardedParam
 from .policy import AllGatherPolicy, MixedPrecisionPolicy, QuantizedAllGather
@@ -79,20 +80,19 @@ class ParamGroup:
                        if isinstance(all_gather_policy, QuantizedAllGather) else None)
         self.state = GroupState.SHARDED
         self.comm: CommContext | None = None  # the root's, set at lazy init
-        # the gathered buffer, its collective, its trace event, and the k-partial block its copy-in read
-        self._pending_unshard: tuple[torch.Tensor, Pending, trace.TraceEvent | None, torch.Tensor | None] | None = None
-        self.gather_plan: GatherPlan | None = None  # tensor-subclass params (extension.py)
+        # every (module, attribute, parameter) slot the group's parameters are registered in
+        self._slots = tuple((module, name, p) for p in params for module, name in p.slots)
+        self.gather_plan: GatherPlan | None = None  # built at lazy init (_plan_gather)
+        # the gathered buffer, its collective and its trace event, between unshard and wait_for_unshard
+        self._pending_unshard: tuple[torch.Tensor, Pending, trace.TraceEvent | None] | None = None
+        # reshard_after_forward=k: the block kept at reshard, and the event recorded on compute after it
         self._partial_shard: torch.Tensor | None = None
-        self._partial_shard_event: Any = None  # recorded on compute after writing it (accelerators)
-        # the reduce side: its settings, flags, reduces in flight
+        self._partial_shard_event: Any = None
+        # the reduce side: which parameters take part, its settings, flags, reduces in flight
         self.reducer = Reducer(fqn, mesh_info, device, data_parallel_world)
-        self._grad_flat: tuple[tuple[bool, ...], list[ShardedParam], FlatLayout] | None = None
-        # List units: the parameters of members that ran forward since the last synced backward;
-        # None: every parameter (one-module units). See design/hooks.md, "List units".
-        self._used: set[int] | None = None
         self.reshard_after_backward = True
         self.unshard_in_backward = True  # set_unshard_in_backward
-        self.all_gather_comm: Any = None  # set_custom_all_gather / PG allocation: allocate() + __call__()
+        self._all_gather_comm: Any = None  # set_custom_all_gather / PG allocation: allocate() + __call__()
         self._check_dtypes()
 
     @property
@@ -139,44 +139,21 @@ class ParamGroup:
     def grad_params(self) -> list[ShardedParam]:
         return [p for p in self.params if p.requires_grad]
 
-    def mark_used(self, params: list[ShardedParam]) -> None:
-        """A list unit's member ran forward with grad enabled: its ``params`` take part in the next
-        synced reduce (with zeros where this rank computed no gradient)."""
-        self._used = (self._used or set()) | {id(p) for p in params}
+    @property
+    def all_gather_comm(self) -> Any:
+        """``set_custom_all_gather``'s object (or the process-group allocation's): ``allocate()`` + ``__call__()``."""
+        return self._all_gather_comm
 
-    def clear_used(self) -> None:
-        if self._used is not None:
-            self._used = set()
-
-    def _reduced(self, p: ShardedParam) -> bool:
-        """Whether ``p`` takes part in a reduce: trainable and, in a list unit, under a member that ran
-        (or holding a gradient), so a member no rank ran keeps ``.grad = None`` as in torch. Under
-        ``set_reduce_scatter_unused_params(False)`` only a parameter holding a gradient on this rank
-        (torch's default: every rank must then agree on which are unused)."""
-        if not p.requires_grad:
-            return False
-        used = self._used is None or id(p) in self._used
-        reducer = self.reducer
-        if used and reducer.settings.unused_params is not False:  # False: torch's skip, see below
-            return True
-        if not reducer.requires_all_reduce or reducer.partial_output is not None:
-            return True  # HSDP without all-reduce sums outputs across reduces: one layout
-        return p.unsharded_accumulated_grad is not None or (
-            p.unsharded_param is not None and p.unsharded_param.grad is not None)
-
-    def _grad_layout(self) -> tuple[list[ShardedParam], FlatLayout]:
-        """The parameters reduced now and their flat layout (the reduce-scatter buffers), rebuilt only
-        when that set changed."""
-        key = tuple(map(self._reduced, self.params))
-        if self._grad_flat is None or self._grad_flat[0] != key:
-            params = [p for p, reduced in zip(self.params, key) if reduced]
-            self._grad_flat = (key, params, FlatLayout(tuple(p.layout for p in params)))
-        return self._grad_flat[1], self._grad_flat[2]
+    @all_gather_comm.setter
+    def all_gather_comm(self, comm: Any) -> None:
+        self._all_gather_comm = comm
+        if self.comm is not None:  # planned already: again with the new collective and allocator
+            self._plan_gather()
 
     @property
     def unsharded_nbytes(self) -> int:
         """Bytes of the gathered buffer at ``param_dtype`` (padding included)."""
-        if self.gather_plan is not None and self.gather_plan.split is not None:  # tensor subclasses
+        if self.gather_plan is not None:
             return self.gather_plan.nbytes
         return self.flat.total_numel * self.param_dtype.itemsize
 
@@ -200,6 +177,23 @@ class ParamGroup:
     def _emit(self, kind: trace.EventKind, phase: trace.Phase, **kw: object) -> trace.TraceEvent | None:
         return trace.emit_if_observed(kind, self.fqn, phase, **kw)
 
+    def _register(self, *, unsharded: bool) -> None:
+        """Put the unsharded (or the sharded) parameters in every module slot that holds them. An unsharded
+        parameter takes the sharded one's ``requires_grad`` (set only where the user changed it since the
+        last unshard: ``requires_grad_`` is a C++ call; torch's ``to_unsharded`` does the same), so a
+        parameter frozen or unfrozen between steps gets, or stops getting, its gradient."""
+        if unsharded:
+            for p in self.params:
+                flag = p.sharded_param.requires_grad
+                if p.unsharded_param is not None and p.unsharded_param.requires_grad is not flag:
+                    p.unsharded_param.requires_grad_(flag)
+        for module, name, p in self._slots:
+            module._parameters[name] = p.unsharded_param if unsharded else p.sharded_param  # type: ignore[assignment]
+
+    def register_sharded(self) -> None:
+        """``fully_shard()``: the sharded DTensor parameters replace the modules' parameters."""
+        self._register(unsharded=False)
+
     @property
     def _comm(self) -> CommContext:
         if self.comm is None:
@@ -216,7 +210,7 @@ class ParamGroup:
             p.adopt_module_param()
             p.init_unsharded(self.param_dtype, self.device)
         self._check_dtypes()
-        self.gather_plan = GatherPlan.of(self, collectives.all_gather_object)
+        self._plan_gather()
 
     def adopt_module_params(self) -> None:
         """After ``module.to(dtype)``/``_apply`` replaced or converted the sharded parameters: re-read
@@ -226,6 +220,16 @@ class ParamGroup:
             if self.comm is not None:
                 p.init_unsharded(self.param_dtype, self.device)
         self._check_dtypes()
+        if self.comm is not None:
+            self._plan_gather()
+
+    def _plan_gather(self) -> None:
+        """(Re)build the all-gather's plan from the parameters as they are now (a tensor-subclass unit keeps
+        the layout its ranks agreed on)."""
+        self.gather_plan = GatherPlan(self.params, fqn=self.fqn, flat=self.flat, blocks=self.blocks,
+                                      param_dtype=self.param_dtype, device=self.device, mesh_info=self.mesh_info,
+                                      subgroup=self.subgroup, mp_policy=self.mp_policy, comm=self._all_gather_comm,
+                                      agreed=self.gather_plan)
 
     @_outside_functorch
     def unshard(self, phase: trace.Phase = trace.Phase.EXPLICIT, *, prefetch: bool = False) -> None:
@@ -236,56 +240,25 @@ class ParamGroup:
             return
         partial = self.state is GroupState.PARTIALLY_SHARDED
         self._transition((GroupState.SHARDED, GroupState.PARTIALLY_SHARDED), GroupState.UNSHARDING, "unshard")
-        over = self._gather_over(partial)
-        # reshard_after_forward=k: the kept block is read by the copy-in stream; it stays alive until the
-        # all-gather is waited (compute then follows the copy-in), as the caching allocator needs
-        kept = self._partial_shard if partial else None
+        ctx, plan = self._comm, self.gather_plan
+        assert plan is not None  # (built at lazy init, which _comm checked)
         with grad_mode.no_grad():
-            out = self._copy_in(partial)
-            pending = self._issue_all_gather(out, over)
-        event = self._emit(trace.EventKind.ALL_GATHER, phase, nbytes=out.nbytes,
-                           group_size=over.world, prefetch=prefetch, timing=pending.timing)
-        self._pending_unshard = (out, pending, event, kept)
-
-    def _gather_over(self, partial: bool) -> SubgroupInfo:
-        """The ranks the all-gather runs over: the k-subgroup after a partial reshard, else the shard
-        group."""
-        if not partial:
-            return self.mesh_info.shard_subgroup
-        assert self.subgroup is not None
-        return self.subgroup
-
-    def _copy_in(self, partial: bool) -> torch.Tensor:
-        """A fresh gathered buffer holding this rank's segment, written on the copy-in stream."""
-        ctx = self._comm
-        copy_in_stream = ctx.stream("all_gather_copy_in")
-        # the shards may have just been updated by the optimizer on the compute stream
-        ctx.order_copy_in(copy_in_stream)  # after the optimizer step (or set_post_optim_event's event)
-        if self.gather_plan is not None and self.gather_plan.agree():  # first unshard: on compute, then
-            ctx.wait_stream(copy_in_stream, ctx.current_stream())  # the copy-in reads the pre-hooks' inputs
-        alloc = self.all_gather_comm.allocate if self.all_gather_comm is not None else None
-        with ctx.on(copy_in_stream):
-            ctx.release_all_gather_buffer()
-            if self.gather_plan is not None:  # (never partial nor quantized: GatherPlan.of)
-                return self.gather_plan.copy_in(self.mesh_info.shard_rank, alloc=alloc)
-            if self.blocks is not None:  # (never partial: check_all_gather_policy)
-                return buffers.quantized_all_gather_copy_in(self.params, self.blocks, self.mesh_info.shard_rank,
-                                                                self.flat.world, self.device, alloc=alloc)
-            if not partial:
-                return buffers.all_gather_copy_in(self.params, self.flat, self.mesh_info.shard_rank,
-                                                      self.param_dtype, self.device, alloc=alloc)
-            assert self.subgroup is not None and self._partial_shard is not None
-            if self._partial_shard_event is not None:  # written on compute at reshard: read after it
-                copy_in_stream.wait_event(self._partial_shard_event)
-                self._partial_shard_event = None
-            block, self._partial_shard = self._partial_shard, None
-            return buffers.partial_all_gather_copy_in(block, self.flat, self.subgroup, self.param_dtype,
-                                                          self.device, alloc=alloc)
-
-    def _issue_all_gather(self, out: torch.Tensor, over: SubgroupInfo) -> Pending:
-        ctx = self._comm
-        ctx.wait_stream(ctx.stream("all_gather"), ctx.stream("all_gather_copy_in"))
-        return ctx.issue("all_gather", lambda a: collectives.all_gather(out, over, a, comm=self.all_gather_comm))
+            if partial:  # reshard_after_forward=k: gathered within the k-rank subgroup from the kept block
+                block, written = self._partial_shard, self._partial_shard_event
+                assert block is not None and plan.gather_kept is not None
+                self._partial_shard = self._partial_shard_event = None
+                out, pending = ctx.all_gather(functools.partial(plan.copy_in_kept, block), plan.gather_kept,
+                                              after=written, hold=block)
+            else:
+                out, pending = ctx.all_gather(plan.copy_in, plan.gather,
+                                              prepare=plan.agree if plan.variant is GatherVariant.SUBCLASS else None)
+        event = None
+        if trace.observers:
+            over = plan.kept_over if partial else plan.over
+            assert over is not None
+            event = self._emit(trace.EventKind.ALL_GATHER, phase, nbytes=out.nbytes, group_size=over.world,
+                               prefetch=prefetch, timing=pending.timing)
+        self._pending_unshard = (out, pending, event)
 
     def _skips_backward_unshard(self, phase: trace.Phase) -> bool:
         """``set_unshard_in_backward(False)``: backward does not need these parameters (an embedding's
@@ -302,30 +275,14 @@ class ParamGroup:
         if self.state is not GroupState.UNSHARDING:
             self.unshard(phase)
         assert self._pending_unshard is not None
-        out, pending, event, kept = self._pending_unshard
+        out, pending, event = self._pending_unshard
         self._pending_unshard = None
-        traced = event is not None or trace.enabled()  # (the clock is read only for an observer)
-        t0 = time.perf_counter() if traced else 0.0
-        pending.wait(self._comm)
-        del kept  # the compute stream now follows the copy-in that read it: free to reuse
-        exposed = time.perf_counter() - t0 if traced else 0.0
-        if event is not None:
-            event.t_end = time.perf_counter()
-            event.exposed_s = exposed
+        assert self.gather_plan is not None
         with grad_mode.no_grad():
-            for p in self.params:
-                p.alloc_unsharded()
-            if self.gather_plan is not None:
-                self.gather_plan.copy_out(out)
-            elif self.blocks is not None:
-                buffers.quantized_all_gather_copy_out(out, self.params, self.blocks, self.param_dtype)
-            else:
-                buffers.all_gather_copy_out(out, self.params, self.flat)
-        self._comm.hold_all_gather_buffer(out)
-        for p in self.params:
-            p.register_unsharded()
+            exposed = self._comm.finish_all_gather(out, pending, self.gather_plan.copy_out, event=event)
+        self._register(unsharded=True)
         self._transition((GroupState.UNSHARDING,), GroupState.UNSHARDED, "finish unshard")
-        if trace.enabled():  # (the byte count is not computed for nobody)
+        if trace.observers:  # (the byte count is not computed for nobody)
             self._emit(trace.EventKind.UNSHARD, phase, nbytes=self.unsharded_nbytes, exposed_s=exposed)
 
     # --- reshard -------------------------------------------------------------------------------
@@ -336,22 +293,22 @@ class ParamGroup:
             self.wait_for_unshard(phase)
         if self.state is not GroupState.UNSHARDED:
             if self.state is GroupState.PARTIALLY_SHARDED and not partial:
-                self._partial_shard = None
+                self._partial_shard = self._partial_shard_event = None
                 self.state = GroupState.SHARDED
             return
+        plan = self.gather_plan
+        assert plan is not None  # (UNSHARDED: initialized)
         keep = partial and self.subgroup is not None
         if keep:
-            assert self.subgroup is not None
             with grad_mode.no_grad():
-                self._partial_shard = buffers.partial_shard_copy_in(self.params, self.flat, self.subgroup)
-            ctx = self._comm
-            self._partial_shard_event = ctx.record_event(ctx.current_stream())
-        for p in self.params:
-            p.free_unsharded()
-            p.register_sharded()
+                block = plan.kept()
+            self._partial_shard = block
+            self._partial_shard_event = self._comm.compute_event()  # (its copy-in, on another stream, follows it)
+        plan.free()
+        self._register(unsharded=False)
         # (UNSHARDED -> new: checked on entry, as _transition would)
         self.state = GroupState.PARTIALLY_SHARDED if keep else GroupState.SHARDED
-        if trace.enabled():
+        if trace.observers:
             kept = self._partial_shard if keep else None
             self._emit(trace.EventKind.RESHARD, phase, nbytes=kept.nbytes if kept is not None else 0)
 
@@ -364,14 +321,13 @@ class ParamGroup:
             self.state = GroupState.UNSHARDED  # nothing copied out: reshard() frees and re-registers
         self.reshard()
         self.reducer.discard(self.params)
-        self.clear_used()
+        self.reducer.clear_used()
 
     # --- gradients (always reduced in, or finished after, a backward) ---------------------------
     def reduce_grads(self, *, reshard_first: bool = False) -> bool:
         """Post-backward: hand the unsharded grads to the reducer; True when a reduce was issued.
         ``reshard_first``: free the unsharded params once their grads are taken (see ``Reducer.reduce``)."""
-        params, flat = self._grad_layout()
-        return self.reducer.reduce(params, flat, self.reduce_dtype, self._comm,
+        return self.reducer.reduce(self.params, self.reduce_dtype, self._comm,
                                    before_alloc=self._reshard_in_backward if reshard_first else None)
 
     def _reshard_in_backward(self) -> None:

@@ -168,7 +168,9 @@ class FSDPModule:
             if stream is not None and group.mesh_info.replicate_group is not None:
                 raise ValueError("set_all_reduce_hook: stream cannot be set with HSDP (the hook runs on the "
                                  "all-reduce stream). Fix: pass stream=None.")
-            if stream is not None and group.device.type == "cpu":
+            # (after lazy init the unit's context says: the stream stand-in gives CPU units streams)
+            has_streams = group.comm.accelerated if group.comm is not None else group.device.type != "cpu"
+            if stream is not None and not has_streams:
                 raise ValueError("set_all_reduce_hook: device 'cpu' has no streams; the hook runs on the host "
                                  "after the reduce-scatter finished. Fix: pass stream=None.")
             group.reducer.settings.all_reduce_hook = hook

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
@@ -24,18 +23,6 @@ from ..parallel.mesh import MeshInfo
 from ..parallel.spmd import ParamSpec, local_grad, spec_of
 from . import extension, grad_mode, registry
 from .layout import DimZeroLayout, contiguous_stride
-
-# Padding zeros, read only: one tensor per (size, dtype, device), shared by every parameter that pads
-# its shard by that much (a tensor object per parameter would be host memory kept for the process's life)
-_ZEROS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _shared_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    key = (numel, dtype, device)
-    zeros = _ZEROS.get(key)
-    if zeros is None:
-        zeros = _ZEROS[key] = torch.zeros(numel, dtype=dtype, device=device)
-    return zeros
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -60,7 +47,6 @@ class ShardedParam:
         # CPU offload: the shard and its grad live on the host; every unshard copies it to the device and
         # every reduce copies the grad back (even where both are the CPU: tests run that path on CPU)
         self.offload = offload
-        self.requires_grad = param.requires_grad
         self.global_shape = tuple(param.shape)  # of the DTensor (the whole parameter)
         # Sharding along dim d uses the dim-0 layout of the tensor with d moved to the front.
         self.shard_dim = shard_dim if self.global_shape else 0
@@ -77,25 +63,24 @@ class ShardedParam:
         self.local_numel = self.layout.local_numel(rank)
         self.local_shape = self.layout.local_shape(rank)
         self.local_stride = contiguous_stride(self.local_shape)
-        self.padding_numel = self.layout.padding_numel(rank)
-        # copy-in: the zeros that pad the shard, shared by size (the shard itself is read as it is: no
-        # flattened view is kept per parameter, design/data-path.md "Host work per step")
-        self._pad_zeros: torch.Tensor | None = None
+        self.padding_numel = self.layout.padding_numel(rank)  # (the copy-in pads with zeros shared by size)
         self.unsharded_param: nn.Parameter | None = None
         self._unsharded_padded: torch.Tensor | None = None  # owns the unsharded storage
         # same storage, own version counter; for a Shard(0) parameter shaped as its gathered rows
         # ``(world, padded shard)``, where the copy-out writes (one tensor object, not one more view)
         self._unsharded_write: torch.Tensor | None = None
-        # the storage (one Python object, resized in place) and its allocated size, read on every unshard
-        self._unsharded_storage: torch.UntypedStorage | None = None
-        self._unsharded_nbytes = 0
+        # the storage (one Python object, resized in place) and its allocated size: a group's GatherPlan
+        # allocates it before each copy-out and frees it at reshard
+        self.unsharded_storage: torch.UntypedStorage | None = None
+        self.unsharded_nbytes = 0
         self.unsharded_accumulated_grad: torch.Tensor | None = None  # no-sync accumulation
-        self.sharded_param: DTensor = self._make_sharded(data)  # an nn.Parameter wrapping a DTensor
+        # an nn.Parameter wrapping a DTensor; its requires_grad is the one flag (``requires_grad``)
+        self.sharded_param: DTensor = self._make_sharded(data, param.requires_grad)
         # A tensor subclass with fsdp_pre/post_all_gather builds its own unsharded form (extension.py)
         self.extension: extension.Extension | None = extension.detect(self)
 
     # --- sharded form -------------------------------------------------------------------------
-    def _make_sharded(self, data: torch.Tensor) -> DTensor:
+    def _make_sharded(self, data: torch.Tensor, requires_grad: bool) -> DTensor:
         data = data.detach()
         if isinstance(data, DTensor):  # already on the FSDP mesh: re-shard its full value
             data = data.full_tensor()
@@ -108,12 +93,12 @@ class ShardedParam:
             local = (local if local.is_meta else local.to(self.storage_device)).contiguous().clone()
         if self.pin_memory and local.device.type == "cpu" and torch.accelerator.is_available():
             local = local.pin_memory()  # CPU offload: pinned host memory for async H2D/D2H copies
-        return self._wrap_local(local)
+        return self._wrap_local(local, requires_grad)
 
-    def _wrap_local(self, local: torch.Tensor) -> DTensor:
+    def _wrap_local(self, local: torch.Tensor, requires_grad: bool) -> DTensor:
         placements = self.spec.replicated if self.layout.replicated else self.spec.sharded
         dtensor = self._dtensor(local, self.spec.mesh, placements)
-        return nn.Parameter(dtensor, requires_grad=self.requires_grad)  # type: ignore[return-value]
+        return nn.Parameter(dtensor, requires_grad=requires_grad)  # type: ignore[return-value]
 
     def _dtensor(self, local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
         """``local`` as this parameter's DTensor on ``mesh`` (its global shape, contiguous strides)."""
@@ -128,6 +113,12 @@ class ShardedParam:
         return t.movedim(0, self.shard_dim) if self.shard_dim else t
 
     @property
+    def requires_grad(self) -> bool:
+        """The sharded parameter's own flag, read at every use: the user may freeze or unfreeze it
+        (``requires_grad_``) between steps, as torch's FSDP2 allows (design/param-lifecycle.md)."""
+        return self.sharded_param.requires_grad
+
+    @property
     def orig_dtype(self) -> torch.dtype:
         return self.sharded_param.dtype
 
@@ -137,19 +128,12 @@ class ShardedParam:
         of a Parameter makes a new view per call)."""
         return local_dtensor.local_of(self.sharded_param)
 
-    def flat_local(self) -> torch.Tensor:
-        """The shard flattened in the communication layout (shard dim first): a view of the local tensor
-        for ``Shard(0)``, a fresh copy for ``Shard(d > 0)`` (its flat form is no view). Made per call:
-        the common copy-in (``copy_in_sources``) reads the local tensor without flattening it."""
-        return self.moved(self.sharded_local).reshape(-1)
-
     def adopt_module_param(self) -> None:
         """Re-read the sharded parameter if the module's slot now holds another DTensor Parameter
         (``module.to_empty()`` and ``module.to(dtype)`` swap or replace it)."""
         current = self.module._parameters.get(self.name)
         if isinstance(current, DTensor) and current is not self.sharded_param:
             self.sharded_param = current
-        self.requires_grad = self.sharded_param.requires_grad
         local = self.sharded_local
         unpinned = (self.pin_memory and local.device.type == "cpu" and torch.accelerator.is_available()
                     and not local.is_pinned())  # e.g. model.to(dtype) made new, pageable host shards
@@ -159,34 +143,7 @@ class ShardedParam:
             host = local.detach().to(self.storage_device)
             if self.pin_memory and host.device.type == "cpu" and torch.accelerator.is_available():
                 host = host.pin_memory()
-            torch.utils.swap_tensors(self.sharded_param, self._wrap_local(host))
-
-    def copy_in_parts(self, device: torch.device) -> list[torch.Tensor]:
-        """Flat pieces on ``device`` that make this rank's padded shard: the local shard, then zero
-        padding. With CPU offload the shard is copied from the host here (asynchronously: pinned)."""
-        local = self.flat_local()
-        if self.offload or local.device != device:
-            local = local.to(device, non_blocking=True, copy=True)
-        return self._padded(local)
-
-    def copy_in_sources(self, device: torch.device) -> list[torch.Tensor] | None:
-        """The pieces of this rank's padded shard as they are (the local tensor in its own shape, then
-        the zero padding), for a copy-in that flattens them itself (``torch._chunk_cat``); None where
-        that does not apply: a replicated or ``Shard(d > 0)`` parameter, an empty shard, a shard to
-        move to ``device`` first (CPU offload)."""
-        local = self.sharded_local
-        if (self.offload or self.shard_dim or self.layout.replicated or not self.local_numel
-                or local.device != device):
-            return None
-        return self._padded(local)
-
-    def _padded(self, local: torch.Tensor) -> list[torch.Tensor]:
-        if not self.padding_numel:
-            return [local]
-        zeros = self._pad_zeros
-        if zeros is None or zeros.dtype != local.dtype or zeros.device != local.device:
-            zeros = self._pad_zeros = _shared_zeros(self.padding_numel, local.dtype, local.device)
-        return [local, zeros]
+            torch.utils.swap_tensors(self.sharded_param, self._wrap_local(host, self.sharded_param.requires_grad))
 
     def set_new_grad(self, local_grad: torch.Tensor) -> bool:
         """``set_sharded_grad`` plus ``run_post_accumulate_grad_hooks`` where both have nothing but the
@@ -246,12 +203,14 @@ class ShardedParam:
 
     # --- unsharded form -----------------------------------------------------------------------
     def init_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Create the unsharded Parameter object once; storage stays freed until alloc_unsharded()."""
+        """Create the unsharded Parameter object once (again at a new ``dtype``); its storage stays freed
+        until the group's all-gather allocates it (``GatherPlan.copy_out``)."""
         if self.extension is not None:  # the post-hook creates it at the first unshard
             return
         if self._unsharded_padded is not None and self._unsharded_padded.dtype == dtype:
             return
-        padded = torch.empty(self._unsharded_numel, dtype=dtype, device=device)
+        numel = self.layout.numel if self.shard_dim != 0 else self.layout.padded_numel
+        padded = torch.empty(numel, dtype=dtype, device=device)
         if self.staged_gather and not self.layout.replicated:  # Shard(d > 0): contiguous, like torch
             view = padded.view(self.unsharded_shape)
         else:
@@ -263,10 +222,10 @@ class ShardedParam:
         rows = (padded.shape if self.staged_gather
                 else (self.layout.world, self.layout.padded_shard_numel))
         self._unsharded_write = padded.new_empty(0).set_(storage, 0, rows, contiguous_stride(tuple(rows)))
-        self._unsharded_storage = storage
-        self._unsharded_nbytes = storage.nbytes()
+        self.unsharded_storage = storage
+        self.unsharded_nbytes = storage.nbytes()
         self.unsharded_param = nn.Parameter(self._as_unsharded(view), requires_grad=self.requires_grad)
-        self.free_unsharded()
+        storage.resize_(0)
 
     def _as_unsharded(self, view: torch.Tensor) -> torch.Tensor:
         """The tensor registered for forward: ``view`` itself, or for a TP parameter the TP DTensor whose
@@ -285,71 +244,18 @@ class ShardedParam:
         return self.layout.replicated or self.shard_dim != 0
 
     @property
-    def _unsharded_numel(self) -> int:
-        return self.layout.numel if self.shard_dim != 0 else self.layout.padded_numel
-
-    def write_unsharded(self, rows: torch.Tensor) -> None:
-        """Copy-out of a staged parameter from its ``(world, padded shard)`` gathered rows."""
-        if self.layout.replicated:  # every rank's slot holds the same value: take rank 0's
-            self.unsharded_write.copy_(rows[0])
-            return
-        gathered = rows.reshape(-1)[:self.layout.numel].view(self.layout.shape)
-        self.unsharded_write.view(self.unsharded_shape).copy_(self.unmoved(gathered))
-
-    def unsharded_rows(self, world: int, size: int) -> torch.Tensor:
-        """The unsharded value in the communication layout, ``(world, padded shard)`` (a view for
-        ``Shard(0)``; a padded copy for ``Shard(d > 0)``)."""
-        if self.shard_dim == 0:
-            return self.unsharded_write.view(world, size)
-        flat = self.moved(self.unsharded_write.view(self.unsharded_shape)).reshape(-1)
-        return F.pad(flat, (0, world * size - flat.numel())).view(world, size)
-
-    def gather_rows(self, world: int, size: int) -> torch.Tensor:
-        """The unsharded storage as ``(world, size)`` rows, where the copy-out writes a ``Shard(0)``
-        parameter's gathered rows: ``unsharded_write`` itself (the storage is resized in place, the
-        tensor stays valid), a view only for another split."""
-        write = self.unsharded_write
-        if write.dim() == 2 and write.shape[0] == world and write.shape[1] == size:
-            return write
-        return write.view(world, size)
-
-    @property
     def unsharded_write(self) -> torch.Tensor:
         """The padded unsharded storage, written without bumping autograd versions: ``(world, padded
         shard)`` rows for a ``Shard(0)`` parameter, flat for a staged one (``staged_gather``)."""
         assert self._unsharded_write is not None, f"{self.fqn}: unsharded form used before init"
         return self._unsharded_write
 
-    def alloc_unsharded(self) -> None:
-        if self.extension is not None:
-            self.extension.alloc()
-            return
-        storage = self._unsharded_storage
-        assert storage is not None, f"{self.fqn}: unsharded form used before init"
-        if storage.size() != self._unsharded_nbytes:
-            storage.resize_(self._unsharded_nbytes)
-
-    def free_unsharded(self) -> None:
-        if self.extension is not None:
-            self.extension.free()
-        if self._unsharded_storage is not None:
-            self._unsharded_storage.resize_(0)
-
     def unsharded_allocated(self) -> bool:
         if self.extension is not None:
             return self.extension.allocated()
-        return self._unsharded_storage is not None and self._unsharded_storage.size() > 0
+        return self.unsharded_storage is not None and self.unsharded_storage.size() > 0
 
     # --- registration -------------------------------------------------------------------------
-    def register_sharded(self) -> None:
-        for module, name in self.slots:
-            module._parameters[name] = self.sharded_param  # type: ignore[assignment]
-
-    def register_unsharded(self) -> None:
-        assert self.unsharded_param is not None
-        for module, name in self.slots:
-            module._parameters[name] = self.unsharded_param
-
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """Pop the gradient autograd accumulated on the unsharded parameter (plus no-sync sums); a TP
         DTensor gradient comes back as its local tensor in the parameter's TP placements."""

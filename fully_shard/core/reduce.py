@@ -1,9 +1,10 @@
 """The gradient side of a ParamGroup: reduce-scatter (+ HSDP all-reduce), scaling, hooks, ReduceQueue.
 
-See design/data-path.md ("Gradient reduction"). A ``Reducer``, owned by each ``ParamGroup``, packs
-the unsharded grads, issues the reduce-scatter (the built-in one or a ``set_custom_reduce_scatter``
-object), the HSDP all-reduce, runs ``set_all_reduce_hook``'s hook and the gradient divide factor, and
-assigns the sharded ``.grad``. ``ReduceQueue`` bounds the reduces of one root that are in flight.
+See design/data-path.md ("Reduce"). A ``Reducer``, owned by each ``ParamGroup``, decides which parameters
+take part in a reduce, packs their unsharded grads (reduce_plan.py), issues the reduce-scatter (the
+built-in one or a ``set_custom_reduce_scatter`` object) and the HSDP all-reduce through the ``CommContext``'s
+verbs (comm/streams.py), runs ``set_all_reduce_hook``'s hook and the gradient divide factor, and assigns the
+sharded ``.grad``. ``ReduceQueue`` bounds the reduces of one root that are in flight.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import torch.distributed as dist
 from ..comm import collectives, trace
 from ..comm.streams import CommContext, Pending
 from ..parallel.mesh import MeshInfo
-from . import buffers, grad_mode
+from . import grad_mode
 from .layout import FlatLayout
 from .param import ShardedParam
-from .reduce_plan import GradView, ReducePlan, cat_rows, grad_views
+from .reduce_plan import Collective, GradView, ReduceOps, ReducePlan, cat_rows, grad_views
 
 SUM: dist.ReduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
 _NO_OVERFLOW_RISK = (torch.float32, torch.bfloat16)  # torch's set: every other dtype splits the division
@@ -51,16 +52,6 @@ class ReduceSettings:
         object.__setattr__(self, "version", next(_setting_changes))
 
 
-@dataclass(frozen=True)
-class ReduceOps:
-    """The two collectives' ops and the scaling around them for one reduce."""
-
-    reduce_scatter: dist.ReduceOp
-    all_reduce: dist.ReduceOp
-    pre_divide: float | None  # the reduce-scatter input, before the collective (fp16: overflow)
-    post_divide: float | None  # the reduced shard, after the all-reduce and the hook
-
-
 def reduce_ops(settings: ReduceSettings, world: int, dtype: torch.dtype, *,
                collective_world: int | None = None) -> ReduceOps:
     """torch 2.13's rule. fp32/bf16 with the default divisor over the ranks the collectives run on: AVG
@@ -84,6 +75,13 @@ def reduce_ops(settings: ReduceSettings, world: int, dtype: torch.dtype, *,
     while factor % pre == 0 and factor / pre > pre:
         pre *= 2
     return ReduceOps(SUM, SUM, float(pre), factor / pre)
+
+
+def _reduce_scatter(group: dist.ProcessGroup, op: dist.ReduceOp, custom: Any, inp: torch.Tensor,
+                    out: torch.Tensor | None, async_op: bool) -> dist.Work | None:
+    """A plan's reduce-scatter of ``inp`` into ``out`` over ``group`` (``custom``: a custom reduce-scatter)."""
+    assert out is not None
+    return collectives.reduce_scatter(out, inp, group, op, async_op, comm=custom)
 
 
 @dataclass
@@ -120,6 +118,44 @@ class Reducer:
         self.pending: list[PendingReduce] = []
         self.partial_output: torch.Tensor | None = None  # HSDP without all-reduce: the sum so far
         self._plan: ReducePlan | None = None  # built by the first reduce, rebuilt when its inputs change
+        # List units: the parameters of members that ran forward since the last synced backward; None:
+        # every parameter (one-module units). See design/hooks.md, "List units".
+        self._used: set[int] | None = None
+        self._layout: tuple[tuple[bool, ...], list[ShardedParam], FlatLayout] | None = None  # (_layout_of)
+
+    # --- which parameters take part --------------------------------------------------------------
+    def mark_used(self, params: list[ShardedParam]) -> None:
+        """A list unit's member ran forward with grad enabled: its ``params`` take part in the next
+        synced reduce (with zeros where this rank computed no gradient)."""
+        self._used = (self._used or set()) | {id(p) for p in params}
+
+    def clear_used(self) -> None:
+        if self._used is not None:
+            self._used = set()
+
+    def _reduced(self, p: ShardedParam) -> bool:
+        """Whether ``p`` takes part in a reduce: trainable and, in a list unit, under a member that ran
+        (or holding a gradient), so a member no rank ran keeps ``.grad = None`` as in torch. Under
+        ``set_reduce_scatter_unused_params(False)`` only a parameter holding a gradient on this rank
+        (torch's default: every rank must then agree on which are unused)."""
+        if not p.requires_grad:
+            return False
+        used = self._used is None or id(p) in self._used
+        if used and self.settings.unused_params is not False:  # False: torch's skip, see below
+            return True
+        if not self.requires_all_reduce or self.partial_output is not None:
+            return True  # HSDP without all-reduce sums outputs across reduces: one layout
+        return p.unsharded_accumulated_grad is not None or (
+            p.unsharded_param is not None and p.unsharded_param.grad is not None)
+
+    def _layout_of(self, params: list[ShardedParam]) -> tuple[list[ShardedParam], FlatLayout]:
+        """The parameters of ``params`` reduced now and their flat layout (the reduce-scatter buffers),
+        rebuilt only when that set changed."""
+        key = tuple(map(self._reduced, params))
+        if self._layout is None or self._layout[0] != key:
+            reduced = [p for p, taking_part in zip(params, key) if taking_part]
+            self._layout = (key, reduced, FlatLayout(tuple(p.layout for p in reduced)))
+        return self._layout[1], self._layout[2]
 
     def _new_plan(self, params: list[ShardedParam], flat: FlatLayout, reduce_dtype: torch.dtype,
                   ctx: CommContext) -> ReducePlan:
@@ -133,20 +169,28 @@ class Reducer:
         in_place = (not ctx.accelerated and settings.comm is None and mesh.replicate_group is None
                     and flat.world * flat.shard_numel != flat.shard_numel
                     and collectives.reduce_scatter_is_all_reduce(group))
-        return ReducePlan(flat, reduce_dtype, ctx, settings.version, ops, group, in_place, alloc,
-                          (settings.max_input_buffers or 1) - 1, cat_rows(params, flat, self.device, alloc),
-                          self.device, grad_views(params, flat, self.device),
-                          collectives.all_reduce_async(group, ops.reduce_scatter, reduce_dtype) if in_place else None)
+        if in_place:  # gloo: the input all-reduced in place, this rank's row of it the output (_take_row)
+            collective: Collective = collectives.all_reduce_async(group, ops.reduce_scatter, reduce_dtype)
+            output = None
+        else:
+            collective = partial(_reduce_scatter, group, ops.reduce_scatter, settings.comm)
+            output = partial(collectives.allocate, alloc, flat.shard_numel, reduce_dtype, self.device)
+        return ReducePlan(flat, reduce_dtype, ctx, settings.version, ops, in_place, alloc,
+                          (settings.max_input_buffers or 1) - 1, tuple(params),
+                          cat_rows(params, flat, self.device, alloc), self.device,
+                          grad_views(params, flat, self.device), collective, output)
 
-    def reduce(self, params: list[ShardedParam], flat: FlatLayout, reduce_dtype: torch.dtype, comm: CommContext,
-               *, before_alloc: Callable[[], None] | None = None) -> bool:
-        """Post-backward: reduce-scatter the unsharded grads of ``params`` (laid out by ``flat``), or
+    # --- reduce ----------------------------------------------------------------------------------
+    def reduce(self, group_params: list[ShardedParam], reduce_dtype: torch.dtype, ctx: CommContext, *,
+               before_alloc: Callable[[], None] | None = None) -> bool:
+        """Post-backward: reduce-scatter the unsharded grads of the group's parameters that take part, or
         stash them when sync is off; True when a reduce was issued (the caller queues it, see
         ``ReduceQueue``).
 
         ``before_alloc`` runs once the grads are taken and before the reduce buffers are allocated (the
         group frees its unsharded params there, as torch's FSDP2 does: the peak holds one unit's params
         less)."""
+        params, flat = self._layout_of(group_params)
         if not params:
             return False
         if not self.requires_gradient_sync:
@@ -155,7 +199,7 @@ class Reducer:
             return False
         if torch.is_grad_enabled():  # (backward under create_graph: the copy-in builds no graph)
             with torch.no_grad():
-                return self.reduce(params, flat, reduce_dtype, comm, before_alloc=before_alloc)
+                return self.reduce(group_params, reduce_dtype, ctx, before_alloc=before_alloc)
         grads = [p.take_unsharded_grad() for p in params]
         for g in grads:
             if g is not None:
@@ -164,36 +208,13 @@ class Reducer:
             return False
         if before_alloc is not None:
             before_alloc()
-        ctx, settings = comm, self.settings
         plan = self._plan
-        if plan is None or not plan.matches(flat, reduce_dtype, ctx, settings.version):
+        if plan is None or not plan.matches(flat, reduce_dtype, ctx, self.settings.version):
             plan = self._plan = self._new_plan(params, flat, reduce_dtype, ctx)
-        ops, group, in_place = plan.ops, plan.group, plan.in_place
-        if ctx.reduce_scatter_states:  # (accelerators)
-            ctx.release_reduce_scatter_inputs(keep=plan.keep_inputs)
-        inp = plan.copy_in(grads)
-        if inp is None:
-            inp = buffers.reduce_scatter_copy_in(grads, params, flat, reduce_dtype, self.device, alloc=plan.alloc)
-        del grads
-        if ops.pre_divide is not None:
-            inp.div_(ops.pre_divide)
-        out: torch.Tensor | None = None
-        observed = trace.enabled()
-        if in_place:  # gloo: all-reduce our own input in place instead of a copy of it (see below)
-            timing = trace.CollectiveTiming() if observed else None  # (CPU: ctx.issue's branch)
-            issue = plan.in_place_all_reduce
-            assert issue is not None  # (built with in_place)
-            pending = ctx.issued(issue(inp), timing)
-        else:
-            rs_stream = ctx.stream("reduce_scatter")
-            ctx.wait_stream(rs_stream, ctx.current_stream())
-            with ctx.on(rs_stream):
-                out = collectives.allocate(plan.alloc, flat.shard_numel, reduce_dtype, self.device)
-            pending = ctx.issue("reduce_scatter", lambda a: collectives.reduce_scatter(
-                out, inp, group, ops.reduce_scatter, a, comm=settings.comm))
-        if ctx.accelerated:  # keep the input until its collective is done (see streams.py)
-            ctx.hold_reduce_scatter_input(inp, pending.event)
-        if observed:  # (the event's fields are not built for nobody)
+        in_place = plan.in_place
+        inp, out, pending = ctx.reduce_scatter(partial(plan.copy_in, grads), plan.collective, output=plan.output,
+                                               keep_inputs=plan.keep_inputs)
+        if trace.observers:  # (the event's fields are not built for nobody)
             trace.emit_if_observed(trace.EventKind.REDUCE_SCATTER, self.fqn, trace.Phase.BACKWARD,
                                    nbytes=inp.nbytes, group_size=self.mesh_info.shard_world,
                                    timing=pending.timing, issued_as="all_reduce" if in_place else "")
@@ -201,11 +222,11 @@ class Reducer:
         all_reduce = None
         if self.mesh_info.replicate_group is not None:
             assert out is not None  # in_place excludes HSDP
-            output, all_reduce = self._all_reduce_replicas(out, pending, ops, ctx)
+            output, all_reduce = self._all_reduce_replicas(out, pending, plan.ops, ctx)
         # CPU: the input stays alive until waited where the backend's work handle is all we hold (a
         # future-less backend) and where it is all-reduced in place; a future lets it go when done.
         cpu_input = inp if in_place or pending.work is not None else None
-        item = PendingReduce(output, pending, all_reduce, cpu_input, in_place, flat, plan.views, ops, ctx)
+        item = PendingReduce(output, pending, all_reduce, cpu_input, in_place, flat, plan.views, plan.ops, ctx)
         if in_place and pending.future is not None:
             pending.future = pending.future.then(partial(self._take_row, item))
         self.pending.append(item)
@@ -221,23 +242,36 @@ class Reducer:
         item.output = item.cpu_input.view(-1, item.flat.shard_numel)[self.mesh_info.shard_rank].clone()
         item.cpu_input = None
 
-    def finish(self) -> None:
-        """Wait for the reduce-scatters (and HSDP all-reduces) in flight; run the all-reduce hook and
-        the divide factor; assign sharded grads."""
-        if not self.pending:
-            return
+    def settle(self) -> None:
+        """Wait for the reduce-scatters (and HSDP all-reduces) in flight and let their inputs go: this rank's
+        host only, nothing issued, no hook run, no grad assigned (``finish`` does those). ``ReduceQueue``'s
+        CPU budget calls it where an input does not fit in memory: the wait is this rank's own decision,
+        since it orders no collective."""
         for item in self.pending:
-            item.reduce_scatter.wait(item.comm)
-            if item.all_reduce is not None:
-                item.all_reduce.wait(item.comm)
+            item.comm.finish_reduce(item.reduce_scatter, item.all_reduce)
             if item.in_place and item.cpu_input is not None:  # no future: the row is taken here
                 self._take_row(item)
-            if item.output is not None:
-                if self.settings.all_reduce_hook is not None:
-                    self._run_all_reduce_hook(item.output, item.comm)
+            item.cpu_input = None
+
+    def finish(self) -> None:
+        """Wait for the reduce-scatters (and HSDP all-reduces) in flight (``settle``); run the all-reduce hook
+        and the divide factor; assign sharded grads (running their post-accumulate-grad hooks). The hooks
+        may issue collectives, so ``ReduceQueue`` calls it at a point every rank agrees on."""
+        if not self.pending:
+            return
+        if not self.pending[-1].reduce_scatter.waited:  # (settled already where the CPU budget said so)
+            self.settle()
+        hook = self.settings.all_reduce_hook
+        for item in self.pending:
+            ctx = item.comm
+            output = item.output
+            if output is not None:
+                if hook is not None:  # in the reduce dtype, before the divide factor (torch's order)
+                    ctx.run_hook(partial(hook, output), self.settings.hook_stream)
                 if item.ops.post_divide is not None and item.ops.post_divide != 1:
-                    item.output.div_(item.ops.post_divide)
-                self._assign_grads(item.output, item.views, item.comm)
+                    output.div_(item.ops.post_divide)
+                if self._assign_grads(output, item.views):
+                    ctx.hold_grad_offload_event()
         self.pending.clear()
         trace.emit_if_observed(trace.EventKind.REDUCE_DONE, self.fqn, trace.Phase.BACKWARD)
 
@@ -246,9 +280,7 @@ class Reducer:
         their results, the HSDP partial sums and the no-sync accumulators of ``params``: the failed
         step's gradients are lost, as in torch."""
         for item in self.pending:
-            item.reduce_scatter.wait(item.comm)
-            if item.all_reduce is not None:
-                item.all_reduce.wait(item.comm)
+            item.comm.finish_reduce(item.reduce_scatter, item.all_reduce)
         self.pending.clear()
         self.partial_output = None
         for p in params:
@@ -256,42 +288,38 @@ class Reducer:
             if p.unsharded_param is not None:
                 p.unsharded_param.grad = None
 
-    def _run_all_reduce_hook(self, output: torch.Tensor, ctx: CommContext) -> None:
-        """``hook(reduced shard)``, in the reduce dtype, before the divide factor (torch's order)."""
-        hook = self.settings.all_reduce_hook
-        if hook is None:
-            return
-        stream = self.settings.hook_stream or ctx.stream("all_reduce")
-        ctx.wait_stream(stream, ctx.current_stream())
-        with ctx.on(stream):
-            hook(output)
-        ctx.wait_stream(ctx.current_stream(), stream)
-
     def _all_reduce_replicas(self, output: torch.Tensor, reduce_scatter: Pending, ops: ReduceOps,
                              ctx: CommContext) -> tuple[torch.Tensor | None, Pending | None]:
-        """HSDP: issue the reduction of the reduce-scattered shard across replicas as soon as the
-        reduce-scatter is done, on its own stream, so it overlaps the next unit's backward (or keep
-        accumulating under ``set_requires_all_reduce(False)``). Returns the output and its all-reduce."""
-        ctx.order_after("all_reduce", reduce_scatter)  # (CPU: the host waits, so the add below sees it)
-        if self.partial_output is not None:  # in place, on the stream that wrote both (as torch)
-            with ctx.on(ctx.stream("reduce_scatter")):
-                self.partial_output.add_(output)
-            output, self.partial_output = self.partial_output, None
-        if not self.requires_all_reduce:
-            self.partial_output = output
-            return None, None
+        """HSDP: the reduction of the reduce-scattered shard across replicas, issued as soon as the
+        reduce-scatter is done (``CommContext.all_reduce_replicas``), or the shard added to the partial sum
+        under ``set_requires_all_reduce(False)``. Returns the output and its all-reduce."""
         group = self.mesh_info.replicate_group
         assert group is not None
-        ctx.wait_stream(ctx.stream("all_reduce"), ctx.stream("reduce_scatter"))  # ... and after the add
-        pending = ctx.issue("all_reduce", lambda a: collectives.all_reduce(output, group, ops.all_reduce,
-                                                                           async_op=a))
-        trace.emit_if_observed(trace.EventKind.ALL_REDUCE, self.fqn, trace.Phase.BACKWARD, nbytes=output.nbytes,
-                               group_size=self.mesh_info.replicate_world, timing=pending.timing)
-        return output, pending
 
-    def _assign_grads(self, output: torch.Tensor, views: tuple[GradView, ...], ctx: CommContext) -> None:
+        def accumulate() -> torch.Tensor | None:
+            shard = output
+            if self.partial_output is not None:  # in place, on the stream that wrote both (as torch)
+                shard = self.partial_output.add_(output)
+                self.partial_output = None
+            if not self.requires_all_reduce:
+                self.partial_output = shard
+                return None
+            return shard
+
+        def all_reduce(shard: torch.Tensor, async_op: bool) -> dist.Work | None:
+            return collectives.all_reduce(shard, group, ops.all_reduce, async_op=async_op)
+
+        shard, pending = ctx.all_reduce_replicas(reduce_scatter, accumulate, all_reduce)
+        if pending is not None and shard is not None:
+            trace.emit_if_observed(trace.EventKind.ALL_REDUCE, self.fqn, trace.Phase.BACKWARD, nbytes=shard.nbytes,
+                                   group_size=self.mesh_info.replicate_world, timing=pending.timing)
+        return shard, pending
+
+    @staticmethod
+    def _assign_grads(output: torch.Tensor, views: tuple[GradView, ...]) -> bool:
         """Assign each parameter's rows as its sharded ``.grad``, then run its post-accumulate-grad
-        hooks (optimizer-in-backward), as autograd would for a leaf (design/hooks.md)."""
+        hooks (optimizer-in-backward), as autograd would for a leaf (design/hooks.md). True when some
+        went to the host asynchronously (CPU offload: the caller records an event after them)."""
         output = output.contiguous()  # (it always is: one flat buffer)
         base = output.storage_offset()
         copied = False  # CPU offload: some grads went to the host asynchronously
@@ -303,14 +331,13 @@ class Reducer:
                 with grad_mode.no_grad():
                     copied |= p.set_sharded_grad(local)
                     p.run_post_accumulate_grad_hooks()
-        if copied:
-            ctx.hold_grad_offload_event()
+        return copied
 
 
 @dataclass(frozen=True)
 class ReduceBytes:
     """One unit's reduce as ``ReduceQueue`` budgets it: what it holds in flight, what it leaves, and what
-    the unit's backward let go (the same on every rank: shapes only)."""
+    the unit's backward let go (this rank's shapes: it decides only when the host waits)."""
 
     input: int  # the reduce input: the unit's unsharded gradients in the reduce dtype
     kept: int  # the sharded gradients it leaves on this rank (input / shard ranks)
@@ -337,15 +364,17 @@ class ReduceQueue:
     unit's backward and is finished just before that unit allocates its own, so two reduce inputs never
     coexist. ``max_in_flight = 0`` finishes each reduce at once (no overlap).
 
-    On CPU a reduce stays in flight only where its input fits in what the backward has released so far
+    On CPU a reduce's input stays held only where it fits in what the backward has released so far
     (``budgeted``; design/data-path.md): held behind the next unit's backward, the input adds to the
     memory there, and the step's peak is where the most activations are held, at the backward's start.
     ``released`` counts, over the reduces pushed since the backward began, the activations each unit's
-    backward let go (``ReduceBytes.released``, a lower bound) less the sharded gradients it left
-    (``ReduceBytes.kept``, which the backward adds); a reduce whose ``input`` exceeds it finishes at once.
-    Shapes only, so every rank that runs the same shapes decides alike (a finish runs the all-reduce hook
-    and the post-accumulate-grad hooks, which may issue collectives: no decision may depend on timing or
-    RSS)."""
+    backward let go (``ReduceBytes.released``, a lower bound, from this rank's forward shapes) less the
+    sharded gradients it left (``ReduceBytes.kept``, which the backward adds); a reduce whose ``input``
+    exceeds it is settled at once (``Reducer.settle``: the host waits for its collective and the input
+    goes). That decision is this rank's own (ranks with other batch shapes decide otherwise): it only
+    waits. When a reduce *finishes* (its all-reduce hook, divide factor, grads and post-accumulate-grad
+    hooks, which may issue collectives) depends on the limit alone, the same on every rank: so does every
+    decision that orders collectives."""
 
     def __init__(self, *, accelerated: bool) -> None:
         self.max_in_flight = 2 if accelerated else 1
@@ -365,16 +394,17 @@ class ReduceQueue:
             self._reducers.popleft().finish()
 
     def push(self, reducer: Reducer, nbytes: ReduceBytes | None = None) -> None:
-        """Queue ``reducer``'s newest reduce (``nbytes``: its bytes; None: unknown, finished at once on
-        CPU) and finish the oldest beyond the limit."""
+        """Queue ``reducer``'s newest reduce (``nbytes``: its bytes; None: unknown, settled at once on CPU)
+        and finish the oldest beyond the limit."""
         if reducer not in self._reducers:
             self._reducers.append(reducer)
-        limit = self._limit(reducer)
-        if self.budgeted and reducer.settings.max_input_buffers is None:
+        k = reducer.settings.max_input_buffers
+        if self.budgeted and k is None:
             if nbytes is not None:
                 self.released += nbytes.released - nbytes.kept
             if nbytes is None or self.released < nbytes.input:
-                limit = 0
+                reducer.settle()  # its input goes now; its finish stays where the limit puts it
+        limit = self.max_in_flight if k is None else k  # (_limit, inline: once per reduce)
         while len(self._reducers) > limit:  # 0: finish right away (no overlap)
             self._reducers.popleft().finish()
 

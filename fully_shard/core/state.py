@@ -16,9 +16,9 @@ import torch.nn as nn
 
 from ..comm.streams import CommContext
 from ..comm.trace import Phase
-from ..interop.dynamo import eager
 from ..parallel.mesh import MeshInfo
 from .checks import check_not_meta
+from .dynamo import eager
 from .group import GroupState, ParamGroup, ReduceQueue
 from .param import ShardedParam
 from .policy import MixedPrecisionPolicy
@@ -166,7 +166,7 @@ class FSDPState:
             args, kwargs = self._start_pass(args, kwargs)
         if torch.is_grad_enabled() and self._member_params is not None:
             for group in self.groups:
-                group.mark_used(self._member_params[module])
+                group.reducer.mark_used(self._member_params[module])
         args, kwargs = self._cast_inputs(args, kwargs)
         self._unshard(Phase.FORWARD)
         if first_in_pass:
@@ -198,8 +198,7 @@ class FSDPState:
             self._finish_pass()
             if self.is_root:
                 self._finish_partial_passes()
-                # the last unit's gathered buffer: not held through the head and the loss (as torch)
-                self._root.comm.release_all_gather_buffer()
+                self._root.comm.end_forward()  # the last unit's gathered buffer goes (as torch)
         return self._cast_output(output)
 
     def _finish_pass(self) -> None:
@@ -238,7 +237,7 @@ class FSDPState:
         if root.forward_order:
             root.order_frozen = True
         root.reduces.drain()
-        root.comm.new_iteration()  # this forward's first copy-in orders after compute (the optimizer step)
+        root.comm.start_forward()  # this forward's first copy-in orders after compute (the optimizer step)
 
     def _move_inputs_to_device(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.device.type == "cpu":
@@ -339,8 +338,7 @@ class FSDPState:
         root = self._root
         root.reduce_callback_queued = False
         root.reduces.drain()
-        root.comm.release_reduce_scatter_inputs()
-        root.comm.sync_grad_offload()
+        root.comm.end_backward(reduces_finished=True, step_ended=False)
 
     def post_backward(self, only: ParamGroup | None = None) -> None:
         """All gradients of this unit's parameters for one forward call are ready (``only``: reduce just
@@ -384,17 +382,20 @@ class FSDPState:
         for state in root.states:
             self._reduce([g for g in state.groups if g.has_unsharded_grads()])
             for group in state.groups:
-                if group.state is not GroupState.SHARDED and group.reshard_after_backward:
+                # an all-gather a prefetch issued for a unit whose backward never ran: dropped whatever
+                # reshard_after_backward says (as torch), else the next forward would use it, gathered
+                # before the optimizer step, and the step would write shards its copy-in may still read
+                if group.state is GroupState.UNSHARDING or (
+                        group.state is not GroupState.SHARDED and group.reshard_after_backward):
                     group.reshard(Phase.BACKWARD)
                 if group.reducer.requires_gradient_sync:
-                    group.clear_used()
+                    group.reducer.clear_used()
             state.training_state = TrainingState.IDLE
             state._modules_to_run = set()  # a list unit's pass some of whose members never ran
-        if any(s.is_root and s.is_last_backward for s in root.states):  # else finished later
+        last = any(s.is_root and s.is_last_backward for s in root.states)  # else finished later
+        if last:
             root.reduces.drain()
-            root.comm.release_reduce_scatter_inputs()  # not held through the optimizer step (as torch)
-            root.comm.sync_grad_offload()
-        root.comm.new_iteration()
+        root.comm.end_backward(reduces_finished=last, step_ended=True)
         root.callback_queued = False
         root.order_frozen = True
 

@@ -1,11 +1,8 @@
-"""Meeting torch's own machinery: compile (dynamo), composable replicate(), and torch's FSDP2 names (compat).
+"""Meeting torch's own FSDP2 names (compat): ``patch_torch()`` rebinds them to this library's.
 
-``dynamo`` and ``composable`` are leaves the core calls; ``compat`` sits on top of the core and is
-imported only by name (``from fully_shard import compat``), never from here.
+``compat`` sits on top of the core and is imported only by name (``from fully_shard import compat``),
+never from here. What the core itself needs of torch.compile and of torch's composable ``replicate()``
+lives in the core (core/dynamo.py, core/composable.py).
 """
 
 from __future__ import annotations
-
-from . import composable, dynamo
-
-__all__ = ["composable", "dynamo"]

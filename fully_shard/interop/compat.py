@@ -37,7 +37,7 @@ and a mesh: per-parameter meshes, design/experts.md); ``torch.distributed._tools
 fsdp2_mem_tracker`` (it wraps torch's ``FSDPParamGroup`` methods, so it keeps seeing only torch's
 units); ``torch.distributed.checkpoint.state_dict`` (imports only FSDP1 names; it works on the
 DTensor state dicts as is). Dynamo's two module flags (``_is_fsdp_managed_module``,
-``_fsdp_use_orig_params``) are set by this library's own ``fully_shard`` (dynamo.py), patched or not.
+``_fsdp_use_orig_params``) are set by this library's own ``fully_shard`` (core/dynamo.py), patched or not.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
-"""torchtitan's MoE recipe unchanged on this library after ``compat.patch_torch()`` (4 gloo ranks).
+"""torchtitan's MoE recipe, restated, on this library after ``compat.patch_torch()`` (4 gloo ranks).
 
 torchtitan is not installed here, so ``apply_fsdp_to_decoder`` below restates its logic (torchtitan
-``distributed/fsdp.py``, ep > 1 path since its PR #2281): every name comes from torch's modules at call
-time (so after ``patch_torch()`` they are this library's), the private ``_get_mesh_info`` and
-``ShardPlacementResult`` included. The same function runs unpatched on torch's fully_shard for the
-side-by-side numbers. ``clip_with_ep`` restates torchtitan's ``_clip_grad_norm_with_ep``. The sharding
-cases are those of torchtitan's ``tests/unit_tests/test_fsdp_moe_sharding.py`` at world 4."""
+``distributed/fsdp.py``, ep > 1 path since its PR #2281); it is not torchtitan's file. Its calls are
+torchtitan's, and every name comes from torch's modules at call time (so after ``patch_torch()`` they are
+this library's), the private ``_get_mesh_info`` and ``ShardPlacementResult`` included. torchtitan's own
+file runs unchanged in ``benchmarks/torchtitan_moe.py`` (``pip install --no-deps torchtitan``; not in CI).
+The same function runs unpatched on torch's fully_shard for the side-by-side numbers. ``clip_with_ep``
+restates torchtitan's ``_clip_grad_norm_with_ep``. The sharding cases are those of torchtitan's
+``tests/unit_tests/test_fsdp_moe_sharding.py`` at world 4."""
 
 from __future__ import annotations
 
@@ -188,7 +190,7 @@ def _torchtitan() -> dict[str, Any]:
             "torch_placements": {n: tuple(p.placements) for n, p in theirs.named_parameters()}}
 
 
-def test_torchtitan_apply_fsdp_to_decoder_unchanged_after_patch_torch() -> None:
+def test_torchtitan_apply_fsdp_to_decoder_restated_after_patch_torch() -> None:
     for r in _torchtitan():
         assert r["dims"] == {"no_ep_fsdp_gt_experts": 1, "no_ep_fsdp_le_experts": 0, "ep2_gt_experts": 1}, r["dims"]
         assert r["groups"] == [2, 2], r["groups"]

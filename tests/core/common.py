@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fully_shard import fully_shard
-from tests.models import TinyGPT, batches, loss_fn
+from tests.models import AuxGPT, TinyGPT, batches, loss_fn
 
 
 def shard_gpt(model: TinyGPT, **kwargs: object) -> TinyGPT:
@@ -19,6 +19,33 @@ def shard_gpt(model: TinyGPT, **kwargs: object) -> TinyGPT:
         fully_shard(blk, **kwargs)  # type: ignore[arg-type]
     fully_shard(model, **{k: v for k, v in kwargs.items() if k != "reshard_after_forward"})  # type: ignore[arg-type]
     return model
+
+
+def shard_aux(model: AuxGPT, fs: Callable[..., object] = fully_shard) -> AuxGPT:
+    """``AuxGPT`` as units (aux, blocks, root) with ``reshard_after_backward=False`` (``fs``: ours or torch's)."""
+    fs(model.aux)
+    for block in model.blocks:
+        fs(block)
+    fs(model)
+    model.set_reshard_after_backward(False)  # type: ignore[operator]
+    return model
+
+
+def train_aux(model: nn.Module, steps: int = 4) -> list[float]:
+    """AdamW on this rank's slices; the auxiliary loss counts on even steps, and the optimizer keeps stepping
+    the auxiliary head on odd steps (its grads zeroed, not dropped). This rank's losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step, (x, y) in enumerate(batches(steps, batch=4)):
+        logits, aux = model(local_slice(x))
+        loss = loss_fn(logits, local_slice(y))
+        if step % 2 == 0:
+            loss = loss + aux.pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        losses.append(loss.item())
+    return losses
 
 
 def local_slice(t: torch.Tensor) -> torch.Tensor:

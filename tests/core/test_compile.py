@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fully_shard import fully_shard
-from fully_shard.interop.dynamo import is_managed
+from fully_shard.core.dynamo import is_managed
 from tests.core.common import global_mean, local_slice
 from tests.distributed.harness import distributed
 

@@ -1,7 +1,8 @@
 """On gloo the reduce-scatter is an in-place all-reduce of the library's own reduce input (design/data-path.md):
 bitwise the same gradients as gloo's own reduce-scatter, and the input is let go when the collective ends,
-before the host waits for it. And the CPU queue's rule: a reduce stays in flight only within the bytes the
-backward has released."""
+before the host waits for it. And the CPU queue's rule: a reduce's input stays in flight only within the
+bytes the backward has released (this rank's shapes), while where a reduce finishes (its hooks, which may
+communicate) is the same on every rank, whatever their batch shapes."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import time
 import weakref
 from typing import Any
 
+import pytest
 import torch
+import torch.distributed as dist
+import torch.nn as nn
 
+from fully_shard import fully_shard
 from fully_shard.comm import collectives, trace
 from fully_shard.core.reduce import ReduceBytes, ReduceQueue, Reducer
 from tests.core.common import local_slice, shard_gpt
@@ -105,45 +110,52 @@ def test_input_released_when_the_all_reduce_completes() -> None:
 
 
 class _FakeReducer:
-    """What ReduceQueue reads of a reducer: its settings and finish()."""
+    """What ReduceQueue reads of a reducer: its settings, settle() and finish()."""
 
-    def __init__(self, name: str, finished: list[str]) -> None:
-        self.name, self.finished = name, finished
+    def __init__(self, name: str, finished: list[str], settled: list[str]) -> None:
+        self.name, self.finished, self.settled = name, finished, settled
         self.settings = type("S", (), {"max_input_buffers": None})()
+
+    def settle(self) -> None:
+        self.settled.append(self.name)
 
     def finish(self) -> None:
         self.finished.append(self.name)
 
 
-def _finish_order(units: list[ReduceBytes], *, accelerated: bool = False) -> list[int]:
-    """A backward over ``units`` (in backward order): how many reduces were finished after each push."""
+def _queue_order(units: list[ReduceBytes], *, accelerated: bool = False) -> tuple[list[int], list[int]]:
+    """A backward over ``units`` (in backward order): after each push, how many reduces were settled (input
+    let go: this rank's budget) and how many finished (hooks and grads: the limit alone)."""
     queue = ReduceQueue(accelerated=accelerated)
     finished: list[str] = []
-    seen = []
+    settled: list[str] = []
+    seen_settled, seen_finished = [], []
     for i, nbytes in enumerate(units):
-        group = _FakeReducer(f"u{i}", finished)
+        group = _FakeReducer(f"u{i}", finished, settled)
         queue.make_room(group)  # type: ignore[arg-type]
         queue.push(group, nbytes)  # type: ignore[arg-type]
-        seen.append(len(finished))
+        seen_settled.append(len(settled))
+        seen_finished.append(len(finished))
     queue.drain()
     assert finished == [f"u{i}" for i in range(len(units))] and queue.released == 0
-    return seen
+    return seen_settled, seen_finished
 
 
 def test_cpu_queue_holds_a_reduce_only_within_what_the_backward_released() -> None:
+    one_behind = [0, 1, 2, 3, 4, 5, 6, 7, 8]  # CPU: a reduce finishes when the next is pushed, whatever the bytes
     # each unit: a 12-byte input, a 6-byte shard, and 8 bytes of activations: the backward releases 2
     # bytes per unit, so the 6th reduce is the first whose input fits (released 12 >= 12)
     slow = [ReduceBytes(input=12, kept=6, released=8)] * 9
-    assert _finish_order(slow) == [1, 2, 3, 4, 5, 5, 6, 7, 8]
-    # 10 bytes of activations per unit: 4 per unit, in flight from the 3rd reduce on
-    assert _finish_order([ReduceBytes(12, 6, 10)] * 6) == [1, 2, 2, 3, 4, 5]
-    # activations below the shard left behind: the backward's memory grows, every reduce at once
-    assert _finish_order([ReduceBytes(12, 6, 5)] * 4) == [1, 2, 3, 4]
-    # a large last unit (the root) after small ones: in flight only when its own input fits
-    assert _finish_order([ReduceBytes(4, 2, 8)] * 3 + [ReduceBytes(40, 20, 8)]) == [0, 1, 2, 4]
-    # accelerators: two in flight, never at once, whatever the bytes
-    assert _finish_order([ReduceBytes(12, 6, 0)] * 6, accelerated=True) == [0, 0, 1, 2, 3, 4]
-    assert _finish_order([None] * 3) == [1, 2, 3]  # type: ignore[list-item]  # bytes unknown: at once
+    assert _queue_order(slow) == ([1, 2, 3, 4, 5, 5, 5, 5, 5], one_behind)
+    # 10 bytes of activations per unit: 4 per unit, held from the 3rd reduce on
+    assert _queue_order([ReduceBytes(12, 6, 10)] * 6) == ([1, 2, 2, 2, 2, 2], one_behind[:6])
+    # activations below the shard left behind: the backward's memory grows, every input let go at once
+    assert _queue_order([ReduceBytes(12, 6, 5)] * 4) == ([1, 2, 3, 4], one_behind[:4])
+    # a large last unit (the root) after small ones: held only when its own input fits
+    assert _queue_order([ReduceBytes(4, 2, 8)] * 3 + [ReduceBytes(40, 20, 8)]) == ([0, 0, 0, 1], one_behind[:4])
+    # accelerators: two in flight, never settled early, whatever the bytes
+    assert _queue_order([ReduceBytes(12, 6, 0)] * 6, accelerated=True) == ([0] * 6, [0, 0, 1, 2, 3, 4])
+    assert _queue_order([None] * 3) == ([1, 2, 3], [0, 1, 2])  # type: ignore[list-item]  # bytes unknown: settled
 
 
 @distributed(world_size=2)
@@ -153,12 +165,12 @@ def _in_flight_in_a_backward(batch: int, dim: int, hidden: int) -> list[dict[str
     model = shard_gpt(TinyGPT(dim=dim, hidden=hidden))
     x, y = batches(1, batch=batch)[0]
     loss = loss_fn(model(local_slice(x)), local_slice(y))
-    held: list[bool] = []  # per push: the reduce still pending after it (in flight behind the next unit)
+    held: list[bool] = []  # per push: the reduce's input still held after it (in flight behind the next unit)
     push = ReduceQueue.push
 
     def recording_push(self: ReduceQueue, reducer: Reducer, nbytes: ReduceBytes | None = None) -> None:
         push(self, reducer, nbytes)
-        held.append(bool(reducer.pending))
+        held.append(bool(reducer.pending) and not reducer.pending[-1].reduce_scatter.waited)
 
     ReduceQueue.push = recording_push  # type: ignore[method-assign]
     try:
@@ -191,7 +203,75 @@ def test_reduces_in_flight_follow_the_budget_on_two_shapes() -> None:
         for reduces in _in_flight_in_a_backward(batch, dim, hidden):
             assert [r["fqn"] for r in reduces] == ["blocks.2", "blocks.1", "blocks.0", ""], reduces
             assert all(r["in_flight_before"] <= 1 for r in reduces), reduces  # one at a time on CPU
-            # a reduce is held in flight exactly where its input fits in what the backward released
+            # a reduce's input is held in flight exactly where it fits in what the backward released (else the
+            # host waits for it at once: settled; it finishes, one unit later, where the limit puts it)
             assert [r["at_once"] for r in reduces[:-1]] == [not r["fits"] for r in reduces[:-1]], reduces
             # 8 sequences of 16 per rank: blocks.2 at once, then in flight; 2 of width 96: every reduce at once
-            assert sum(r["at_once"] for r in reduces) == at_once, reduces  # (the root's, the last, finishes at once)
+            assert sum(r["at_once"] for r in reduces) == at_once, reduces  # (the root's, the last, settled at once)
+
+
+def _uneven_batches(shard: Any) -> dict[str, Any]:
+    """Two steps of four Linear units on this rank's batch (1 row on rank 0, 64 on rank 1: the CPU queue's
+    budget would keep a reduce in flight on rank 1 only), with an all-reduce hook that communicates over the
+    units' own process group (a gradient-norm logger)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    for layer in model:
+        shard(layer)
+    shard(model)
+    group = model[0].weight.device_mesh.get_group()  # the group the units' all-gathers and reduces run on
+    norms: list[torch.Tensor] = []
+
+    def log_norm(shard_grad: torch.Tensor) -> None:
+        square = shard_grad.detach().pow(2).sum().reshape(1)
+        dist.all_reduce(square, group=group)
+        norms.append(square)
+
+    for layer in model:
+        layer.set_all_reduce_hook(log_norm)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank = dist.get_rank()
+    steps = []
+    for step in range(2):
+        torch.manual_seed(10 * step + rank)
+        loss = model(torch.randn((1, 64)[rank], 16)).pow(2).mean()
+        loss.backward()
+        steps.append({"loss": loss.detach(), "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}})
+        opt.step()
+        opt.zero_grad()
+    return {"steps": steps, "norms": torch.cat(norms)}
+
+
+@distributed(world_size=2, timeout=150)
+def _uneven_batches_side_by_side() -> dict[str, Any]:
+    from tests.torch_ref import lacks_method
+
+    out = {"ours": _uneven_batches(fully_shard)}
+    if lacks_method("set_all_reduce_hook") is None:
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        out["torch"] = _uneven_batches(torch_fully_shard)
+    return out
+
+
+def test_ranks_with_other_batch_sizes_finish_reduces_alike() -> None:
+    """Every decision that orders collectives is the same on every rank: a reduce's finish runs the all-reduce
+    hook (here a collective on the units' own group), so where it runs may not depend on this rank's batch
+    shape (design/data-path.md). Before, rank 0 finished each reduce at once and rank 1 one unit later: the
+    hook's all-reduce met the other rank's all-gather (a gloo error or a hang, the harness's timeout)."""
+    from tests.torch_ref import lacks_method
+
+    for rank, out in enumerate(_uneven_batches_side_by_side()):
+        ours = out["ours"]
+        assert ours["norms"].numel() == 8, (rank, ours["norms"])  # 4 units x 2 steps, one hook call each
+        if "torch" not in out:
+            continue
+        ref = out["torch"]
+        assert torch.equal(ours["norms"], ref["norms"]), (rank, ours["norms"], ref["norms"])
+        for step, (mine, theirs) in enumerate(zip(ours["steps"], ref["steps"])):
+            assert torch.equal(mine["loss"], theirs["loss"]), (rank, step)
+            for name, grad in theirs["grads"].items():
+                assert torch.equal(mine["grads"][name], grad), (rank, step, name)
+    reason = lacks_method("set_all_reduce_hook")
+    if reason:
+        pytest.skip(reason)

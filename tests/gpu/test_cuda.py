@@ -16,10 +16,29 @@ from tests.core.common import shard_gpt
 from tests.distributed.harness import distributed
 from tests.models import TinyGPT, batches, loss_fn
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL on one GPU)"),
-]
+_needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL on one GPU)")
+
+
+# GEMM kernel names, as benchmarks/gpu_check.py's analyze_kernels reads them: cuBLAS ("gemm"), Hopper's sm90
+# and cuBLASLt "nvjet_*" kernels, CUTLASS, and the attention kernels, which run on the compute stream too
+_GEMM_NAMES = ("gemm", "sm90", "cutlass", "nvjet", "flash", "fmha")
+
+
+def _is_gemm(name: str) -> bool:
+    lowered = name.lower()
+    return any(part in lowered for part in _GEMM_NAMES)
+
+
+def test_gemm_names_include_hopper_kernels() -> None:
+    """Runs on CPU: kernel names as torch.profiler reports them on an H100/H200 (cuBLASLt's nvjet_*,
+    sm90 cuBLAS, CUTLASS) and on Ampere count as GEMMs; the all-gather copy-in's cat kernel does not."""
+    gemms = ["nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "nvjet_tss_64x8_64x16_2x1_v_bz_splitK_TNT",
+             "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas",
+             "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x1_tn_align8>(T1::Params)",
+             "ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5_tn"]
+    assert all(_is_gemm(n) for n in gemms), [n for n in gemms if not _is_gemm(n)]
+    assert not _is_gemm("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous "
+                        "namespace)::OpaqueType<2u>, unsigned int, 1, 128, 1>(...)")
 
 
 @distributed(world_size=1, backend="nccl")
@@ -51,6 +70,8 @@ def _parity_and_memory() -> dict[str, float]:
     return {"max_loss_diff": worst}
 
 
+@pytest.mark.gpu
+@_needs_cuda
 def test_cuda_parity_and_freed_storage() -> None:
     _parity_and_memory()
 
@@ -72,7 +93,7 @@ def _copy_in_on_side_stream() -> dict[str, object]:
         with open(path) as f:
             events = json.load(f)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
-    gemm_streams = {e["args"]["stream"] for e in kernels if "gemm" in e["name"].lower() or "sm90" in e["name"]}
+    gemm_streams = {e["args"]["stream"] for e in kernels if _is_gemm(e["name"])}
     cat_streams = {e["args"]["stream"] for e in kernels if "cat" in e["name"].lower()}
     # all-gather copy-in (a cat into the gathered buffer) runs on its own stream, not the compute one
     assert gemm_streams and cat_streams - gemm_streams, (gemm_streams, cat_streams)
@@ -88,5 +109,7 @@ def _copy_in_on_side_stream() -> dict[str, object]:
     return {"streams": {k: sorted(v) for k, v in streams_by_kind.items()}, "compute": compute_stream}
 
 
+@pytest.mark.gpu
+@_needs_cuda
 def test_cuda_streams_are_dedicated() -> None:
     _copy_in_on_side_stream()
