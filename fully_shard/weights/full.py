@@ -1,10 +1,11 @@
 """iter_full: the model's full weights as ``(name, tensor)`` pairs, gathered one unit at a time.
 
 A collective over the model's ranks. Units (parameter groups) are taken in state_dict order of their
-first entry; each is gathered once through the library's unshard path (unshard.py), its entries are
-yielded, and it is freed before the next is gathered, so about one unit's gathered weights are held
-at once (design/weights.md "The memory bound"). Entries outside every unit (buffers, ignored_params,
-parameters of modules no unit holds) are yielded where the state_dict has them.
+first entry; each is gathered once (unshard.py: one packed all-gather of its shards, cast to the wanted
+dtype), cut into new tensors that are yielded as they are, and the gathered buffer is reused for the
+next unit, so about one unit's gathered weights are held at once (design/weights.md "The memory
+bound"). Entries outside every unit (buffers, ignored_params, parameters of modules no unit holds) are
+yielded where the state_dict has them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..checkpoint.hf_keys import STACK, TRANSPOSE, KeyMap, RenameSpec
+from ..checkpoint.hf_keys import COPY, STACK, TRANSPOSE, KeyMap, RenameSpec
 from . import gather, lora, naming, unshard
 from .errors import WeightSyncError
 
@@ -35,7 +36,7 @@ def iter_full(model: nn.Module, *, dtype: torch.dtype | None = None, key_map: Ke
     experts unstacked per expert). Each tensor is a new contiguous tensor (the caller may keep it) on the
     device the unit is gathered on, cast to ``dtype`` (default: its own dtype).
 
-    One all-gather per parameter group (not per parameter), through the library's unshard path; a
+    One all-gather per parameter group (not per parameter), of its shards cast to ``dtype`` first; a
     group's parameters that are TP/EP DTensors take one more per mesh dim that shards them. Memory: at
     most about twice the largest group's gathered bytes beyond the model (design/weights.md).
 
@@ -111,24 +112,28 @@ def _dtypes(plan: naming.Plan, entries: list[naming.Entry]) -> dict[int, torch.d
 
 def _generate(plan: naming.Plan, steps: list[_Step], *, keep: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
     assembly = _Assembly(plan, keep)
+    scratch = gather.Scratch()  # the gathered buffer, shared by the units (freed with the generator)
     for step in steps:
         if step.unit is None:
             (e,) = step.entries
-            value = e.tensor.detach()
-            if isinstance(value, DTensor):  # a DTensor no unit manages (e.g. TP only)
-                value = gather.full_values([value])[0]
-            yield from assembly.add(e, value)
+            plain = e.tensor.detach()
+            if isinstance(plain, DTensor):  # a DTensor no unit manages (e.g. TP only): gathered into a new tensor
+                yield from assembly.add(e, gather.full_values([plain])[0], owned=True)
+            else:
+                yield from assembly.add(e, plain, owned=False)
             continue
         lora_ids = {id(e.tensor) for e in step.entries if e.lora is not None or e.hidden}
-        with unshard.unit_values(step.unit, _dtypes(plan, step.entries), full_precision=lora_ids) as values:
-            for e in step.entries:
-                if e.hidden:
-                    continue
-                value = values[id(e.tensor)]
-                if e.lora is not None and keep:
-                    value = lora.merge(e.lora, value, _adapters(e, step, values, plan))
-                yield from assembly.add(e, value)
-                del value
+        values = unshard.unit_values(step.unit, _dtypes(plan, step.entries), full_precision=lora_ids,
+                                     scratch=scratch, keep=keep)
+        for e in step.entries:
+            if e.hidden:
+                continue
+            value: torch.Tensor | None = values.pop(id(e.tensor), None)  # (the consumer decides how long it lives)
+            if value is not None and e.lora is not None:
+                value = lora.merge(e.lora, value, _adapters(e, step, values, plan))
+            yield from assembly.add(e, value, owned=True)
+            del value
+        del values
 
 
 def _adapters(e: naming.Entry, step: _Step, values: dict[int, torch.Tensor],
@@ -149,22 +154,30 @@ def _adapters(e: naming.Entry, step: _Step, values: dict[int, torch.Tensor],
 
 
 class _Assembly:
-    """Turns entries' full values into the yielded tensors through their links (new contiguous tensors)."""
+    """Turns entries' full values into the yielded tensors through their links. Every yielded tensor is a new
+    contiguous tensor: an ``owned`` value (made for this iteration, referenced nowhere else) that is exactly
+    one output is yielded as it is; anything else is copied (cast, cut, joined) into a new tensor."""
 
     def __init__(self, plan: naming.Plan, keep: bool) -> None:
         self.plan = plan
         self.keep = keep
         self.partial: dict[int, tuple[torch.Tensor | None, int]] = {}  # output -> (its buffer, links done)
 
-    def add(self, e: naming.Entry, value: torch.Tensor) -> Iterator[tuple[str, torch.Tensor | None]]:
-        for i, link in self.plan.links_of.get(e.name, []):
+    def add(self, e: naming.Entry, value: torch.Tensor | None, *,
+            owned: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+        links = self.plan.links_of.get(e.name, [])
+        for i, link in links:
             out = self.plan.outputs[i]
-            if not self.keep:
+            if not self.keep or value is None:
                 done = self.partial.get(i, (None, 0))[1] + 1
                 self.partial[i] = (None, done)
                 if done == len(out.links):
                     del self.partial[i]
                     yield out.name, None
+                continue
+            if (owned and len(links) == 1 and len(out.links) == 1 and link.op == COPY
+                    and tuple(value.shape) == out.shape and value.dtype == out.dtype and value.is_contiguous()):
+                yield out.name, value  # (a single link of the whole tensor: its box is all of it)
                 continue
             piece = value[link.model_box.slices()] if value.dim() else value
             if link.op == TRANSPOSE:

@@ -38,16 +38,32 @@ class Part:
     def numel(self) -> int:
         return self.box.numel
 
-    def values(self) -> torch.Tensor:
-        """The part's current values in the yielded tensor's layout, flat, in the wire dtype (a new tensor)."""
-        piece = self.view.block(self.model_box)
+    def current(self) -> torch.Tensor:
+        """The part's values now, flat, in the wire dtype, in the yielded tensor's layout: a view of the model's
+        own storage where that is all it takes (the same dtype, a contiguous block), else a new tensor. The
+        local shard is read at every call (a ``swap_tensors`` or ``.data =`` between sends is seen)."""
+        t = self.view.tensor
+        held = t.to_local() if isinstance(t, DTensor) else t
+        piece = held.detach()[self.model_box.slices(self.view.held)]
         if self.link.op == TRANSPOSE:
             piece = piece.t()
         elif self.link.op == STACK:
             piece = piece.squeeze(self.link.dim)
+        if piece.dtype == self.dtype and piece.is_contiguous():
+            return piece.view(-1)
         out = torch.empty(self.box.sizes, dtype=self.dtype, device=piece.device)
         out.copy_(piece.reshape(self.box.sizes))
-        return out.reshape(-1)
+        return out.view(-1)
+
+    def values(self) -> torch.Tensor:
+        """``current()`` as a new tensor (a snapshot)."""
+        now = self.current()
+        return now.clone() if _shares_storage(now, self.view.tensor) else now
+
+
+def _shares_storage(a: torch.Tensor, t: torch.Tensor) -> bool:
+    held = t.to_local() if isinstance(t, DTensor) else t
+    return a.untyped_storage().data_ptr() == held.untyped_storage().data_ptr()
 
 
 def _first_copy(tensor: DTensor) -> bool:
@@ -63,12 +79,16 @@ def _first_copy(tensor: DTensor) -> bool:
 def own_parts(plan: naming.Plan, *, leader: bool) -> list[Part]:
     """This rank's parts, in plan order."""
     out = []
+    first: dict[int, bool] = {}  # per mesh (reading a mesh's ranks is slow: once per mesh, not per tensor)
     for e in plan.entries:
         if e.hidden:
             continue
         view = describe(e.name, e.tensor)
         if isinstance(e.tensor, DTensor):
-            write = view.write if _first_copy(e.tensor) else None
+            mesh = e.tensor.device_mesh
+            if id(mesh) not in first:
+                first[id(mesh)] = _first_copy(e.tensor)
+            write = view.write if first[id(mesh)] else None
         else:
             write = boxes.full_box(view.shape) if leader and view.held.numel else None
         if write is None:

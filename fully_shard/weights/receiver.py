@@ -273,13 +273,10 @@ class Receiver:
                 dest = dests.get(i)
                 if dest is None:
                     continue
-                values = values.to(device=dest.device, dtype=dest.dtype)
                 if positions is None:
                     dest.copy_(values.reshape(()))
                     continue
-                view = dest[box.slices()]
-                coords = torch.unravel_index(positions.to(dest.device), box.sizes)
-                view.index_put_(coords, values)
+                delta.write(dest[box.slices()], positions, values)
         if not isinstance(self.target, nn.Module):
             changed = sorted({i for i, _, _, _ in work})
             self.target(iter([(tensors[i][0], dests[i]) for i in changed]))

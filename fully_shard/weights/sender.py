@@ -71,6 +71,8 @@ class Sender:
         self.seq = 0  # committed sends
         self.snapshot: list[torch.Tensor] | None = None  # this rank's parts at the last committed send
         self.snapshot_key: list[Any] | None = None
+        self._parts: tuple[tuple[Any, ...], list[parts.Part]] | None = None  # (the plan's tensors, own parts)
+        self._encoder: Any = None  # delta.Encoder, made at the first delta
         naming.plan(model, key_map=key_map, dtype=dtype, what="Sender")  # bad arguments fail here, not at send()
 
     # ------------------------------------------------------------------------------------------------
@@ -87,7 +89,7 @@ class Sender:
         own: list[parts.Part] = []
         try:
             plan = naming.plan(self.model, key_map=self.key_map, dtype=self.dtype, what="Sender")
-            own = parts.own_parts(plan, leader=self.is_leader)
+            own = self._own_parts(plan)
         except Exception as e:
             error = e
         key = [[p.output, list(p.box.offsets), list(p.box.sizes), str(p.dtype)] for p in own]
@@ -147,10 +149,19 @@ class Sender:
         else:
             assert self.snapshot is not None
             for i, enc in pending:
-                self.snapshot[i][enc.index] = enc.new
+                delta.apply(self.snapshot[i], enc)
         self.seq += 1
         return SyncStats(mode, sent, time.perf_counter() - t0, len(plan.outputs), elements, ch.control_bytes,
                          self.seq)
+
+    def _own_parts(self, plan: naming.Plan) -> list[parts.Part]:
+        """This rank's parts, found again only when the model's tensors (or the plan) changed: the parts hold
+        the tensors, so the ids compared stay theirs."""
+        key = (tuple((e.name, id(e.tensor), e.hidden) for e in plan.entries), tuple(map(tuple, naming.signature(
+            plan.outputs))))
+        if self._parts is None or self._parts[0] != key:
+            self._parts = (key, parts.own_parts(plan, leader=self.is_leader))
+        return self._parts[1]
 
     # ------------------------------------------------------------------------------------------------
     def _send_full(self, plan: naming.Plan) -> tuple[int, int, BaseException | None]:
@@ -198,8 +209,10 @@ class Sender:
             if self.snapshot is None or len(self.snapshot) != len(own):
                 raise WeightSyncError(f"trainer rank {ch.rank} holds no snapshot of its parts for a delta; fix: "
                                       "send(full_send=True)")
+            if self._encoder is None:
+                self._encoder = delta.Encoder()
             for i, p in enumerate(own):
-                enc = delta.encode(p.values(), self.snapshot[i])
+                enc = self._encoder.encode(p.current(), self.snapshot[i])
                 if enc is None:
                     continue
                 where, values = enc.where.to(ch.device), enc.values.to(ch.device)

@@ -1,20 +1,21 @@
-"""The adapter to the library's unshard path: a model's units, and one unit's full values while gathered.
+"""The adapter to the library's units: a model's parameter groups, and one group's full values in the wanted dtypes.
 
-Everything this package knows of the core is here (design/weights.md). A unit (one ``ParamGroup``) is
-gathered with the hooks' own entry points, ``ParamGroup.unshard`` + ``wait_for_unshard``, read, and
-freed with ``reshard`` (``gather_unit``/``release_unit``: a rename in the core costs a line here). That
-path moves ``param_dtype`` values, so it is used when they are the exact values wanted: no mixed
-precision, or a requested dtype equal to ``param_dtype`` (the copy-in casts elementwise, so gathering
-then casting equals casting then gathering). Otherwise (mixed precision to another dtype, int8
-all-gathers, LoRA layers under mixed precision) the unit's shards are gathered by ``gather.py`` in the
-wanted dtype, again one collective for the unit. A parameter that is a TP/EP DTensor once gathered is
-made whole over its TP/EP mesh by ``gather.full_values`` (one more collective per unit and mesh dim).
+Everything this package knows of the core is here (design/weights.md). ``units_of`` finds the groups
+(lazily initialized, resharded, so each module slot holds its sharded DTensor as ``state_dict`` shows
+it). ``unit_values`` gathers one group's shards with one packed all-gather over the group's shard group
+(``gather.all_gather_chunks``), each shard cast to the wanted dtype as it is written into the buffer
+(casting commutes with gathering, so the values are exact, and a bf16 export of fp32 weights moves half
+the bytes); the full tensors are cut out of the gathered buffer straight into new tensors, which the
+caller may hand out as they are. Not the hooks' unshard path (``ParamGroup.unshard``): that one writes
+into the module's own unsharded parameters, freed at reshard, so every value would be copied once more,
+and it moves ``param_dtype`` (int8 for ``QuantizedAllGather``). A parameter that is a TP/EP DTensor once
+gathered is made whole over its TP/EP mesh by ``gather.full_values`` (one more collective per unit and
+mesh dim); a tensor-subclass parameter (``fsdp_pre_all_gather``) by its own ``full_tensor()``.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -48,96 +49,65 @@ def units_of(model: nn.Module) -> list[Unit]:
     out = []
     for _, state in found:
         for group in state.groups:
-            release_unit(group)
+            group.reshard()
             out.append(Unit(group, {id(p.sharded_param): p for p in group.params}))
     return out
 
 
-def gather_unit(group: ParamGroup) -> None:
-    """The library's unshard path: issue the unit's all-gather and register the gathered parameters."""
-    group.unshard()
-    group.wait_for_unshard()
+def wire_dtype(have: torch.dtype, want: torch.dtype) -> torch.dtype:
+    """The dtype to gather in for a value held in ``have`` and wanted in ``want``: the narrower one (the cast
+    is elementwise, so before or after the gather gives the same values)."""
+    return want if want.itemsize <= have.itemsize else have
 
 
-def release_unit(group: ParamGroup) -> None:
-    """Free the gathered parameters, registering the sharded DTensors again."""
-    group.reshard()
-
-
-def _exact(unit: Unit, dtypes: Mapping[int, torch.dtype], full_precision: Collection[int]) -> bool:
-    """Whether the unshard path gives exactly the values wanted (see the module docstring)."""
-    group = unit.group
-    if getattr(group, "blocks", None) is not None:  # QuantizedAllGather: int8 on the wire
-        return False
-    gathered = group.param_dtype
-    for key, p in unit.params.items():
-        if p.extension is not None:
-            return False
-        if gathered != p.orig_dtype and (gathered != dtypes[key] or key in full_precision):
-            return False
-    return True
-
-
-@contextlib.contextmanager
-def unit_values(unit: Unit, dtypes: Mapping[int, torch.dtype], *,
-                full_precision: Collection[int] = ()) -> Iterator[dict[int, torch.Tensor]]:
-    """The full value of each of the unit's parameters (plain tensors, keyed like ``unit.params``) while
-    the unit is gathered; freed on exit. A value may be a view of the gathered storage (copy what you
-    keep) and is in ``dtypes[key]`` or, from the unshard path, in ``param_dtype`` (cast it to
-    ``dtypes[key]``: exact). ``full_precision``: parameters needed in their own dtype (LoRA merges)."""
-    group = unit.group
-    if _exact(unit, dtypes, full_precision):
-        gather_unit(group)
-        try:
-            values: dict[int, torch.Tensor] = {}
-            spmd: list[tuple[int, DTensor]] = []
-            for key, p in unit.params.items():
-                value = p.unsharded_param
-                assert value is not None, f"{p.fqn}: gathered without an unsharded parameter"
-                if isinstance(value, DTensor):
-                    spmd.append((key, value.detach()))  # type: ignore[arg-type]
-                else:
-                    values[key] = value.detach()
-            for (key, _), full in zip(spmd, gather.full_values([v for _, v in spmd])):
-                values[key] = full
-            yield values
-        finally:
-            release_unit(group)
-        return
-    yield _gathered_shards(unit, dtypes, full_precision)
-
-
-def _gathered_shards(unit: Unit, dtypes: Mapping[int, torch.dtype],
-                     full_precision: Collection[int]) -> dict[int, torch.Tensor]:
-    """The fallback: the unit's sharded values (cast to the wanted dtype first) gathered with one packed
-    all-gather over the unit's shard group, then made whole over TP/EP meshes."""
+def unit_values(unit: Unit, dtypes: Mapping[int, torch.dtype], *, full_precision: Collection[int] = (),
+                scratch: gather.Scratch | None = None, keep: bool = True) -> dict[int, torch.Tensor]:
+    """The full value of each of the unit's parameters (new plain tensors the caller owns, keyed like
+    ``unit.params``) in ``dtypes[key]``, or its own dtype for ``full_precision`` keys (LoRA merges): one
+    packed all-gather over the unit's shard group, plus one per TP/EP mesh dim. ``keep=False``: the same
+    collectives, no values (a rank that receives nothing; returns ``{}``). ``scratch``: the gathered
+    buffer, shared by the units of one iteration."""
     group = unit.group
     device = group.device
     values: dict[int, torch.Tensor] = {}
+    want: dict[int, torch.dtype] = {}
     chunked: list[tuple[int, gather.Chunked]] = []
+    spmd = []  # (key, spec) of parameters whose gathered value is a DTensor on a TP/EP mesh
     for key, p in unit.params.items():
         sharded = p.sharded_param
+        want[key] = p.orig_dtype if key in full_precision else dtypes[key]
         if p.extension is not None:  # a tensor subclass: its own ops make it whole
-            values[key] = sharded.full_tensor().to(dtypes[key])
+            full = sharded.full_tensor()
+            if keep:
+                values[key] = full.to(want[key], copy=True)
             continue
-        dtype = p.orig_dtype if key in full_precision else dtypes[key]
-        local = sharded.to_local().detach().to(device=device, dtype=dtype)
+        local = p.sharded_local.detach()
+        wire = wire_dtype(local.dtype, want[key])
+        if p.spec.is_dtensor:
+            spmd.append((key, p.spec))
         if p.layout.replicated:
-            values[key] = local
+            if keep or p.spec.is_dtensor:
+                values[key] = local.to(device=device, dtype=wire, copy=True)
         else:
-            chunked.append((key, gather.Chunked(local, p.shard_dim, p.unsharded_shape[p.shard_dim])))
-    fulls = gather.all_gather_chunks([c for _, c in chunked], group.mesh_info.shard_group)
-    spmd: list[tuple[int, DTensor]] = []
+            chunked.append((key, gather.Chunked(local, p.shard_dim, p.unsharded_shape[p.shard_dim], wire)))
+    fulls = gather.all_gather_chunks([c for _, c in chunked], group.mesh_info.shard_group, device=device,
+                                     scratch=scratch, keep=keep or bool(spmd))
     for (key, _), full in zip(chunked, fulls):
         values[key] = full
-    for key, p in unit.params.items():
-        spec = p.spec
-        if spec.is_dtensor and key in values and p.extension is None:
+    if spmd:
+        tp = []
+        for key, spec in spmd:
             assert spec.unsharded_mesh is not None and spec.unsharded is not None
-            v = values[key]
-            spmd.append((key, DTensor.from_local(v, spec.unsharded_mesh, spec.unsharded, run_check=False,
-                                                 shape=torch.Size(p.global_shape),
-                                                 stride=torch.empty(p.global_shape, device="meta").stride())))
-    for (key, _), full in zip(spmd, gather.full_values([v for _, v in spmd])):
-        values[key] = full
+            p = unit.params[key]
+            v = values.pop(key)
+            tp.append(DTensor.from_local(v, spec.unsharded_mesh, spec.unsharded, run_check=False,
+                                         shape=torch.Size(p.global_shape),
+                                         stride=torch.empty(p.global_shape, device="meta").stride()))
+        for (key, _), full in zip(spmd, gather.full_values(tp, scratch=scratch, keep=keep)):
+            values[key] = full
+    if not keep:
+        return {}
+    for key, v in values.items():
+        if v.dtype != want[key]:  # gathered in the narrower dtype (an up-cast asked for)
+            values[key] = v.to(want[key])
     return values

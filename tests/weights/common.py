@@ -70,3 +70,20 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     bad = sorted(set(a) ^ set(b))
     bad += [k for k in a if k in b and not (a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))]
     return bad
+
+
+class Odd(nn.Module):
+    """Uneven rows (7 over 2 or 3 ranks), a Shard(1) weight, a 0-dim scale, a persistent and a non-persistent
+    buffer, a parameter left out by ignored_params."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 7)
+        self.b = nn.Linear(7, 4, bias=False)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.pos = nn.Parameter(torch.randn(3, 5))  # ignored by fully_shard
+        self.register_buffer("stat", torch.arange(4.0))
+        self.register_buffer("cache", torch.ones(2), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x + self.pos.sum(0).to(x.dtype)))) * self.scale + self.stat

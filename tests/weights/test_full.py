@@ -17,11 +17,24 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedAllGather, fully_shard
 from fully_shard.checkpoint import Fuse, KeyMap, Stack
+from fully_shard.tools.collectives import CollectiveWatch
 from fully_shard.tools.memory import current_memory, peak_memory, reset_peak_memory
 from fully_shard.weights import WeightSyncError, iter_full, iter_local, unshard
 from tests.distributed.counting import CountCollectives
 from tests.distributed.harness import distributed
-from tests.weights.common import llama, same, shard_hf, train_step, truth
+from tests.weights.common import Odd, llama, same, shard_hf, train_step, truth
+
+
+class _GatheredBytes(CollectiveWatch):
+    """Bytes of the outputs of the all-gathers issued in the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def on_collective(self, op: str, args: tuple) -> None:
+        if op == "_allgather_base_":
+            self.n += args[0].numel() * args[0].element_size()
 
 
 def _groups(model: nn.Module) -> list[Any]:
@@ -62,6 +75,14 @@ def _llama_checks() -> dict[str, Any]:
                 if isinstance(v, DTensor):
                     v.full_tensor()
         assert dict(ours.issued) == {"all_gather": len(groups)}, (ours.issued, len(groups))
+        # a bf16 export of the fp32 weights casts before the wire: half the bytes gathered
+        with _GatheredBytes() as fp32_bytes:
+            for _ in iter_full(model):
+                pass
+        with _GatheredBytes() as bf16_bytes:
+            for _ in iter_full(model, dtype=torch.bfloat16):
+                pass
+        assert 0 < bf16_bytes.n <= 0.55 * fp32_bytes.n, (bf16_bytes.n, fp32_bytes.n)
         dtensors = sum(isinstance(v, DTensor) for v in model.state_dict().values())
         gathers = sum(n for op, n in loop.issued.items() if "gather" in op)  # (funcol also issues wait_tensor)
         assert gathers == dtensors > len(groups), (loop.issued, dtensors)
@@ -115,26 +136,9 @@ def test_peak_memory_at_most_twice_the_largest_unit() -> None:
         assert all(0 < r <= 2.0 for r in ratios), ratios
 
 
-class _Odd(nn.Module):
-    """Uneven rows (7 over 3 ranks), a Shard(1) weight, a 0-dim scale, a persistent and a non-persistent
-    buffer, a parameter left out by ignored_params."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(5, 7)
-        self.b = nn.Linear(7, 4, bias=False)
-        self.scale = nn.Parameter(torch.tensor(1.5))
-        self.pos = nn.Parameter(torch.randn(3, 5))  # ignored by fully_shard
-        self.register_buffer("stat", torch.arange(4.0))
-        self.register_buffer("cache", torch.ones(2), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x + self.pos.sum(0).to(x.dtype)))) * self.scale + self.stat
-
-
 def _odd(offload: bool, mp: bool) -> nn.Module:
     torch.manual_seed(0)
-    model = _Odd()
+    model = Odd()
     kw: dict[str, Any] = {}
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)

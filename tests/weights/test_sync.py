@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from fully_shard import ShardPlacement, fully_shard
 from fully_shard.checkpoint import KeyMap, Stack
 from fully_shard.weights import Receiver, Sender, WeightSyncError, iter_full, wire
 from tests.distributed.harness import distributed
-from tests.weights.common import llama, mixtral, same, shard_hf, train_step, trainer_mesh
+from tests.weights.common import Odd, llama, mixtral, same, shard_hf, train_step, trainer_mesh
 
 TRAINERS, RECEIVER = [0, 1], 2
 
@@ -89,6 +89,43 @@ def _mixtral_sync() -> list[Any]:
 def test_plain_moe_full_then_deltas_bitwise() -> None:
     per_rank = _mixtral_sync()
     assert [s.mode for s in per_rank[RECEIVER]] == ["full", "delta", "delta"]
+
+
+def _odd_trainer() -> nn.Module:
+    """Uneven rows (7 over 2 ranks), a Shard(1) weight (a delta's box is a block of columns: strided in the
+    receiver's tensor), a 0-dim scale, an ignored parameter and a buffer (plain tensors: the leader's)."""
+    torch.manual_seed(0)
+    model = Odd()
+    mesh = trainer_mesh(TRAINERS)
+    fully_shard(model.b, mesh=mesh, shard_placement_fn=lambda p: Shard(1))
+    fully_shard(model, mesh=mesh, ignored_params={model.pos})
+    return model
+
+
+def _odd_train(model: nn.Module, opt: torch.optim.Optimizer, step: int, vocab: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    model(torch.randn(3, 5, generator=g)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        model.stat.add_(1.0)  # (a buffer that changes: sent by the leader)
+
+
+def _odd_receiver() -> nn.Module:
+    torch.manual_seed(4)
+    return Odd()
+
+
+@distributed(world_size=3, timeout=400)
+def _odd_sync() -> list[Any]:
+    return _sync_loop(_odd_trainer, _odd_receiver, steps=3, vocab=0, train=_odd_train)
+
+
+@pytest.mark.timeout(900)
+def test_shard1_uneven_zero_dim_ignored_full_then_deltas_bitwise() -> None:
+    per_rank = _odd_sync()
+    assert [s.mode for s in per_rank[RECEIVER]] == ["full", "delta", "delta"]
+    assert per_rank[1][1].bytes > 0  # rank 1 sent its own columns' changes
 
 
 class _PerExpert(nn.Module):
