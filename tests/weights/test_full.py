@@ -234,10 +234,41 @@ def _key_map() -> None:
     assert all(t.is_contiguous() for t in got.values())
     with pytest.raises(WeightSyncError, match="sizes"):
         iter_full(model, key_map=KeyMap(transforms=[Fuse("qkv.weight", ["q.weight", "k.weight"])]))
+    # the renames load_hf/save_hf take: a bare dict (HF name -> model name), regex pairs and callables (each
+    # with its inverse, as save_hf needs); names not renamed stay
+    for key_map, names in (
+            ({"o.w": "out.weight"}, {"qkv.weight": "qkv.weight", "experts": "experts", "o.w": "out.weight"}),
+            (KeyMap([(r"^o_proj\.", "out.")], rename_inverse=[(r"^out\.", "o_proj.")]),
+             {"qkv.weight": "qkv.weight", "experts": "experts", "o_proj.weight": "out.weight"}),
+            (KeyMap(lambda n: n.removeprefix("hf_"), rename_inverse=lambda n: "hf_" + n),
+             {"hf_qkv.weight": "qkv.weight", "hf_experts": "experts", "hf_out.weight": "out.weight"})):
+        got = dict(iter_full(model, key_map=key_map))
+        assert same(got, {hf: want[m] for hf, m in names.items()}) == [], (list(got), names)
 
 
 def test_key_map_cuts_fused_and_unstacks_experts() -> None:
     _key_map()
+
+
+@distributed(world_size=2)
+def _wrapped() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    ref = llama(False)
+    model = copy.deepcopy(ref)
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = checkpoint_wrapper(layer)
+    compiled = torch.compile(shard_hf(model))  # (never called: nothing compiles; its keys start with _orig_mod.)
+    keys = list(compiled.state_dict())  # (torch's checkpoint_wrapper drops its own prefix there, on some versions)
+    assert all(k.startswith("_orig_mod.") for k in keys), keys
+    assert any("._checkpoint_wrapped_module." in n for n, _ in compiled.named_parameters())
+    got = dict(iter_full(compiled))
+    assert sorted(got) == sorted(ref.state_dict()), sorted(got)
+    assert same(got, dict(ref.state_dict())) == []
+
+
+def test_wrapper_prefixes_dropped() -> None:
+    _wrapped()
 
 
 @distributed(world_size=4)
@@ -299,7 +330,7 @@ def test_hsdp_tp_and_experts() -> None:
 
 @distributed(world_size=2)
 def _lora() -> None:
-    peft = pytest.importorskip("peft")
+    import peft
     base = llama(False)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     model = peft.get_peft_model(base, config)
@@ -322,6 +353,7 @@ def _lora() -> None:
 
 
 def test_lora_merged_like_merge_and_unload() -> None:
+    pytest.importorskip("peft")  # (the test extra has it)
     _lora()
 
 

@@ -27,13 +27,13 @@ from tests.weights.common import Odd, llama, mixtral, same, shard_hf, train_step
 TRAINERS, RECEIVER = [0, 1], 2
 
 
-def _compare(got: dict[str, torch.Tensor] | None, target: nn.Module | None) -> list[str]:
-    """Collective over the 3 ranks: trainer rank 0's iter_full values vs the receiver's; the differences."""
+def _compare(got: dict[str, torch.Tensor] | None, target: nn.Module | None, receiver: int = RECEIVER) -> list[str]:
+    """Collective over every rank: trainer rank 0's iter_full values vs the receiver's; the differences."""
     mine: Any = got if dist.get_rank() == 0 else (
         {k: v.detach().clone() for k, v in target.state_dict().items()} if target is not None else None)
-    both: list[Any] = [None] * 3
+    both: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(both, mine)
-    sent, held = both[0], both[RECEIVER]
+    sent, held = both[0], both[receiver]
     return same(sent, {k: held[k] for k in sent if k in held}) + sorted(set(sent) - set(held))
 
 
@@ -126,6 +126,46 @@ def test_shard1_uneven_zero_dim_ignored_full_then_deltas_bitwise() -> None:
     per_rank = _odd_sync()
     assert [s.mode for s in per_rank[RECEIVER]] == ["full", "delta", "delta"]
     assert per_rank[1][1].bytes > 0  # rank 1 sent its own columns' changes
+
+
+@distributed(world_size=5, timeout=600)
+def _tp_sync() -> list[Any]:
+    """TP 2-D: trainer ranks 0-3 on (dp=2, tp=2), a plain model on rank 4. Every trainer rank sends the
+    changes of its own block of each DTensor (a tp-column block of a colwise weight, rows of a rowwise one;
+    a norm's copy on the first tp column only), plus a Replicate() 0-dim gate."""
+    from tests.parallel import tp_common as tp
+
+    rank, receiver_rank = dist.get_rank(), 4
+    mesh = DeviceMesh("cpu", torch.tensor([[0, 1], [2, 3]]), mesh_dim_names=("dp", "tp"))  # (collective: all 5)
+    stats = []
+    if rank < 4:
+        torch.manual_seed(0)
+        model = tp.shard_2d(tp.tensor_parallel(tp.TPModel(gated=True), mesh["tp"]), fully_shard, mesh["dp"])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sender = Sender(model, group=None, dst=receiver_rank, delta=True, bucket_bytes=4096)
+        for step, (x, y) in enumerate(tp.data(3)):
+            if step:
+                tp.loss_fn(model(tp.dp_slice(x, mesh)), tp.dp_slice(y, mesh)).backward()
+                opt.step()
+                opt.zero_grad()
+            stats.append(sender.send())
+            got = dict(iter_full(model, rank=0))
+            assert _compare(got if rank == 0 else None, None, receiver_rank) == []
+    else:
+        torch.manual_seed(3)
+        target = tp.TPModel(gated=True)
+        receiver = Receiver(target, group=None, src=0)
+        for _ in range(3):
+            stats.append(receiver.receive())
+            assert _compare(None, target, receiver_rank) == []
+    return stats
+
+
+@pytest.mark.timeout(900)
+def test_tp_2d_full_then_deltas_bitwise() -> None:
+    per_rank = _tp_sync()
+    assert [s.mode for s in per_rank[4]] == ["full", "delta", "delta"]
+    assert all(per_rank[r][1].bytes > 0 for r in range(4))  # every trainer rank sent its own block's changes
 
 
 class _PerExpert(nn.Module):
