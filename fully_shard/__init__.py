@@ -1,8 +1,8 @@
 """fully_shard: FSDP2 (ZeRO-3) on DTensor. Public API only; see README.md and design/overview.md.
 
 The core (``fully_shard``, ``FSDPModule``, policies, clipping) is imported here; the applications on it
-(``checkpoint``, ``weights``, the profiler, the wrap planner) are imported on first use of their names, so
-``import fully_shard`` loads neither safetensors nor the tools.
+(``checkpoint``, ``weights``, the profiler, the wrap planner, ``ft``) are imported on first use of their names,
+so ``import fully_shard`` loads neither safetensors, the tools nor torchft.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from . import optim  # noqa: F401  (registers the local-shard optimizer step with the core (optim/__init__.py))
 from .comm.trace import EventKind, Phase
 from .core.api import fully_shard
+from .core.finalize import GradientReductionHandle
 from .core.init import default_init, materialize_meta_module
 from .core.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .core.placement import ShardPlacement
@@ -28,10 +29,11 @@ from .optim.clip import clip_grad_norm_, total_grad_norm
 from .parallel.mesh import DataParallelMeshDims
 
 if TYPE_CHECKING:
-    from . import checkpoint, weights
+    from . import checkpoint, ft, weights
     from .tools.profile import Profiler, profile
     from .weights import iter_full, iter_local
     from .wrap import (
+        FullyShardedDataParallel,
         GranularityPolicy,
         ModuleClassPolicy,
         ParamCountPolicy,
@@ -42,15 +44,34 @@ if TYPE_CHECKING:
         plan_wrap,
         strategy_kwargs,
     )
+    from .wrap.fsdp1 import (
+        BackwardPrefetch,
+        CPUOffload,
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        LocalOptimStateDictConfig,
+        LocalStateDictConfig,
+        MixedPrecision,
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+        StateDictSettings,
+        StateDictType,
+    )
+
+# FSDP1's option types (wrap/fsdp1/options.py), beside the existing ShardingStrategy
+_FSDP1_NAMES = ("BackwardPrefetch", "CPUOffload", "FullOptimStateDictConfig", "FullStateDictConfig",
+                "LocalOptimStateDictConfig", "LocalStateDictConfig", "MixedPrecision", "ShardedOptimStateDictConfig",
+                "ShardedStateDictConfig", "StateDictSettings", "StateDictType")
 
 # name -> the module that defines it, imported on first access (PEP 562)
 _LAZY = {
-    "checkpoint": "fully_shard.checkpoint",
+    "checkpoint": "fully_shard.checkpoint", "ft": "fully_shard.ft",
     "weights": "fully_shard.weights", "iter_full": "fully_shard.weights", "iter_local": "fully_shard.weights",
     "Profiler": "fully_shard.tools.profile", "profile": "fully_shard.tools.profile",
     **{name: "fully_shard.wrap" for name in (
         "GranularityPolicy", "ModuleClassPolicy", "ParamCountPolicy", "PredicatePolicy", "UnitReport", "WrapPlan",
-        "auto_wrap", "plan_wrap", "strategy_kwargs")},
+        "auto_wrap", "plan_wrap", "strategy_kwargs", "FullyShardedDataParallel")},
+    **{name: "fully_shard.wrap.fsdp1" for name in _FSDP1_NAMES},
 }
 
 
@@ -59,7 +80,7 @@ def __getattr__(name: str) -> Any:
     if target is None:
         raise AttributeError(f"module 'fully_shard' has no attribute {name!r}")
     module = importlib.import_module(target)
-    value = module if name in ("checkpoint", "weights") else getattr(module, name)
+    value = module if name in ("checkpoint", "ft", "weights") else getattr(module, name)
     globals()[name] = value
     return value
 
@@ -70,11 +91,20 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AllGatherPolicy",
+    "BackwardPrefetch",
+    "CPUOffload",
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "EventKind",
     "FSDPModule",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "FullyShardedDataParallel",
+    "GradientReductionHandle",
     "GranularityPolicy",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
+    "MixedPrecision",
     "MixedPrecisionPolicy",
     "ModuleClassPolicy",
     "OffloadPolicy",
@@ -84,7 +114,11 @@ __all__ = [
     "Profiler",
     "QuantizedAllGather",
     "ShardPlacement",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
     "ShardingStrategy",
+    "StateDictSettings",
+    "StateDictType",
     "UnitReport",
     "UnshardHandle",
     "WrapPlan",
@@ -92,6 +126,7 @@ __all__ = [
     "checkpoint",
     "clip_grad_norm_",
     "default_init",
+    "ft",
     "fully_shard",
     "iter_full",
     "iter_local",

@@ -52,6 +52,7 @@ from .cache import (
     same,
     token_of,
 )
+from .originals import rebind_originals
 
 __all__ = ["StepPath", "get_step_path", "set_step_path"]
 
@@ -157,6 +158,7 @@ def _pre_step(optimizer: Optimizer, args: tuple[Any, ...],
     plan = _plans.get(optimizer)
     if plan is None or plan.epoch != _epoch or plan.groups_seen != len(optimizer.param_groups):
         # new optimizer, a fully_shard call since (params may have been replaced), or add_param_group()
+        rebind_originals(optimizer)  # built before the FSDP1 front end wrapped them: the successors (originals.py)
         _refuse_replaced(optimizer)
         plan = _plans[optimizer] = _Plan(_epoch, len(optimizer.param_groups), LocalState(optimizer.state),
                                          ours=_holds_ours(optimizer))

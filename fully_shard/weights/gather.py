@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..checkpoint import boxes
+from ..comm import collectives
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def all_gather_chunks(items: Sequence[Chunked], group: dist.ProcessGroup, order:
         if n:  # (16-byte aligned offsets: a view in any dtype)
             send[offset:offset + n * it.wire.itemsize].view(it.wire).view(it.local.shape).copy_(it.local)
         offset += _aligned(size)
-    dist.all_gather_into_tensor(buffer, send, group=group)
+    collectives.all_gather_into(buffer, send, group)
     if not keep:
         return []
     rows = buffer.view(world, segment)
