@@ -1,8 +1,8 @@
 """fully_shard: FSDP2 (ZeRO-3) on DTensor. Public API only; see README.md and design/overview.md.
 
 The core (``fully_shard``, ``FSDPModule``, policies, clipping) is imported here; the applications on it
-(``checkpoint``, the profiler, the wrap planner, ``ft``) are imported on first use of their names, so
-``import fully_shard`` loads neither safetensors, the tools nor torchft.
+(``checkpoint``, ``weights``, the profiler, the wrap planner, ``ft``) are imported on first use of their names,
+so ``import fully_shard`` loads neither safetensors, the tools nor torchft.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from .optim.clip import clip_grad_norm_, total_grad_norm
 from .parallel.mesh import DataParallelMeshDims
 
 if TYPE_CHECKING:
-    from . import checkpoint, ft
+    from . import checkpoint, ft, weights
     from .tools.profile import Profiler, profile
+    from .weights import iter_full, iter_local
     from .wrap import (
         FullyShardedDataParallel,
         GranularityPolicy,
@@ -65,6 +66,7 @@ _FSDP1_NAMES = ("BackwardPrefetch", "CPUOffload", "FullOptimStateDictConfig", "F
 # name -> the module that defines it, imported on first access (PEP 562)
 _LAZY = {
     "checkpoint": "fully_shard.checkpoint", "ft": "fully_shard.ft",
+    "weights": "fully_shard.weights", "iter_full": "fully_shard.weights", "iter_local": "fully_shard.weights",
     "Profiler": "fully_shard.tools.profile", "profile": "fully_shard.tools.profile",
     **{name: "fully_shard.wrap" for name in (
         "GranularityPolicy", "ModuleClassPolicy", "ParamCountPolicy", "PredicatePolicy", "UnitReport", "WrapPlan",
@@ -78,7 +80,7 @@ def __getattr__(name: str) -> Any:
     if target is None:
         raise AttributeError(f"module 'fully_shard' has no attribute {name!r}")
     module = importlib.import_module(target)
-    value = module if name in ("checkpoint", "ft") else getattr(module, name)
+    value = module if name in ("checkpoint", "ft", "weights") else getattr(module, name)
     globals()[name] = value
     return value
 
@@ -126,6 +128,8 @@ __all__ = [
     "default_init",
     "ft",
     "fully_shard",
+    "iter_full",
+    "iter_local",
     "materialize_meta_module",
     "plan_wrap",
     "profile",
@@ -133,4 +137,5 @@ __all__ = [
     "share_comm_ctx",
     "strategy_kwargs",
     "total_grad_norm",
+    "weights",
 ]
