@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from . import checkpoint
     from .tools.profile import Profiler, profile
     from .wrap import (
+        FullyShardedDataParallel,
         GranularityPolicy,
         ModuleClassPolicy,
         ParamCountPolicy,
@@ -41,6 +42,24 @@ if TYPE_CHECKING:
         plan_wrap,
         strategy_kwargs,
     )
+    from .wrap.fsdp1 import (
+        BackwardPrefetch,
+        CPUOffload,
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        LocalOptimStateDictConfig,
+        LocalStateDictConfig,
+        MixedPrecision,
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+        StateDictSettings,
+        StateDictType,
+    )
+
+# FSDP1's option types (wrap/fsdp1/options.py), beside the existing ShardingStrategy
+_FSDP1_NAMES = ("BackwardPrefetch", "CPUOffload", "FullOptimStateDictConfig", "FullStateDictConfig",
+                "LocalOptimStateDictConfig", "LocalStateDictConfig", "MixedPrecision", "ShardedOptimStateDictConfig",
+                "ShardedStateDictConfig", "StateDictSettings", "StateDictType")
 
 # name -> the module that defines it, imported on first access (PEP 562)
 _LAZY = {
@@ -48,7 +67,8 @@ _LAZY = {
     "Profiler": "fully_shard.tools.profile", "profile": "fully_shard.tools.profile",
     **{name: "fully_shard.wrap" for name in (
         "GranularityPolicy", "ModuleClassPolicy", "ParamCountPolicy", "PredicatePolicy", "UnitReport", "WrapPlan",
-        "auto_wrap", "plan_wrap", "strategy_kwargs")},
+        "auto_wrap", "plan_wrap", "strategy_kwargs", "FullyShardedDataParallel")},
+    **{name: "fully_shard.wrap.fsdp1" for name in _FSDP1_NAMES},
 }
 
 
@@ -68,11 +88,19 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AllGatherPolicy",
+    "BackwardPrefetch",
+    "CPUOffload",
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "EventKind",
     "FSDPModule",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "FullyShardedDataParallel",
     "GranularityPolicy",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
+    "MixedPrecision",
     "MixedPrecisionPolicy",
     "ModuleClassPolicy",
     "OffloadPolicy",
@@ -82,7 +110,11 @@ __all__ = [
     "Profiler",
     "QuantizedAllGather",
     "ShardPlacement",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
     "ShardingStrategy",
+    "StateDictSettings",
+    "StateDictType",
     "UnitReport",
     "UnshardHandle",
     "WrapPlan",

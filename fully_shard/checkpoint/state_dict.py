@@ -22,14 +22,17 @@ from .views import View, describe, ensure_sharded, group_hyper, optimizer_params
 OptimStateDict = dict[str, Any]  # {"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn]}]}
 
 
-def _gather(value: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
+def gather_full(value: torch.Tensor, *, cpu_offload: bool = False) -> torch.Tensor:
+    """``value`` as a plain full tensor (a DTensor is gathered: collective over its mesh), a copy where
+    the gather would alias the live shard; on the CPU with ``cpu_offload``."""
     out = value.full_tensor() if isinstance(value, DTensor) else value.detach()
     if isinstance(value, DTensor) and out.numel() and out.data_ptr() == value.to_local().data_ptr():
         out = out.clone()  # a one-rank shard group (NO_SHARD) gathers to the live shard: snapshot it
     return out.cpu() if cpu_offload else out
 
 
-def _offload(value: torch.Tensor) -> torch.Tensor:
+def offload_to_cpu(value: torch.Tensor) -> torch.Tensor:
+    """``value`` with its local tensor on the CPU (a DTensor stays a DTensor, laid out as before)."""
     if isinstance(value, DTensor):
         return DTensor.from_local(value.to_local().cpu(), value.device_mesh, value.placements, run_check=False,
                                   shape=value.shape, stride=value.stride())
@@ -53,9 +56,9 @@ def get_model_state_dict(model: nn.Module, *, full: bool = False, cpu_offload: b
     for fqn, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) not in done:
             if full:
-                done[id(tensor)] = _gather(tensor, cpu_offload)
+                done[id(tensor)] = gather_full(tensor, cpu_offload=cpu_offload)
             else:
-                done[id(tensor)] = _offload(tensor) if cpu_offload else tensor.detach()
+                done[id(tensor)] = offload_to_cpu(tensor) if cpu_offload else tensor.detach()
         if keep:
             out[fqn] = done[id(tensor)]
     return out
@@ -140,7 +143,8 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
             values = {}
             for name, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
-                    value = _gather(value, cpu_offload) if full else (_offload(value) if cpu_offload else value)
+                    value = gather_full(value, cpu_offload=cpu_offload) if full else (
+                        offload_to_cpu(value) if cpu_offload else value)
                 values[name] = value
             if values:
                 state[fqn] = values
@@ -236,6 +240,36 @@ def torch_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, os
     return {"state": state, "param_groups": new_groups}
 
 
+def broadcast_optimizer_state(state_dict: OptimStateDict) -> OptimStateDict:
+    """Rank 0's FQN-keyed optimizer state dict of plain full tensors on every rank (broadcast one tensor at
+    a time; other ranks' ``state_dict`` is ignored). Collective."""
+    comm = Comm()
+    if comm.world == 1:
+        return state_dict
+    skeleton: Any = None
+    encoder = Encoder("t/")
+    with comm.phase("set_optimizer_state_dict(full=True)"):
+        if comm.rank == 0:
+            for fqn, values in state_dict.get("state", {}).items():
+                for name, value in values.items():
+                    if isinstance(value, DTensor):
+                        raise CheckpointError(f"state[{fqn!r}][{name!r}] is a DTensor; full=True expects plain "
+                                              "full tensors on rank 0; fix: pass full=False for sharded dicts")
+            skeleton = encoder.encode({"state": state_dict.get("state", {}),
+                                       "param_groups": state_dict.get("param_groups", [])}, "optimizer state")
+            skeleton = {"tree": skeleton, "tensors": [[n, st_dtype(t.dtype, n), list(t.shape)]
+                                                      for n, t in encoder.tensors.items()]}
+    skeleton = comm.broadcast_json(skeleton)
+    received: dict[str, torch.Tensor] = {}
+    for name, dtype, shape in skeleton["tensors"]:
+        buf = encoder.tensors[name].contiguous().clone() if comm.rank == 0 else \
+            torch.empty(shape, dtype=ST_TO_TORCH[dtype])
+        comm.broadcast_tensor(buf)
+        received[name] = buf
+    out: OptimStateDict = decode(skeleton["tree"], received.__getitem__)
+    return out
+
+
 def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: OptimStateDict, *,
                              full: bool = False, strict: bool = True) -> None:
     """Load an FQN-keyed optimizer state dict (see get_optimizer_state_dict).
@@ -244,27 +278,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
     parameter (other ranks may pass ``{}``); collective.
     """
     comm = Comm()
-    if full and comm.world > 1:
-        skeleton: Any = None
-        encoder = Encoder("t/")
-        with comm.phase("set_optimizer_state_dict(full=True)"):
-            if comm.rank == 0:
-                for fqn, values in state_dict.get("state", {}).items():
-                    for name, value in values.items():
-                        if isinstance(value, DTensor):
-                            raise CheckpointError(f"state[{fqn!r}][{name!r}] is a DTensor; full=True expects plain "
-                                                  "full tensors on rank 0; fix: pass full=False for sharded dicts")
-                skeleton = encoder.encode({"state": state_dict.get("state", {}),
-                                           "param_groups": state_dict.get("param_groups", [])}, "optimizer state")
-                skeleton = {"tree": skeleton, "tensors": [[n, st_dtype(t.dtype, n), list(t.shape)]
-                                                          for n, t in encoder.tensors.items()]}
-        skeleton = comm.broadcast_json(skeleton)
-        received: dict[str, torch.Tensor] = {}
-        for name, dtype, shape in skeleton["tensors"]:
-            buf = encoder.tensors[name].contiguous().clone() if comm.rank == 0 else \
-                torch.empty(shape, dtype=ST_TO_TORCH[dtype])
-            comm.broadcast_tensor(buf)
-            received[name] = buf
-        state_dict = decode(skeleton["tree"], received.__getitem__)
+    if full:
+        state_dict = broadcast_optimizer_state(state_dict)
     with comm.phase("set_optimizer_state_dict"):
         load_optimizer_state(model, optimizer, state_dict, strict)

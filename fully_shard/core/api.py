@@ -308,6 +308,8 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
 
 
 def _fsdp_class(cls: type) -> type:
+    if issubclass(cls, FSDPModule):  # a class that is one already (the FSDP1 wrapper: type(m) is its class)
+        return cls
     if cls not in _CLASS_CACHE:
         _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
     return _CLASS_CACHE[cls]

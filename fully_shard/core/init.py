@@ -40,7 +40,7 @@ from ..comm import collectives
 from ..parallel.mesh import device_of, root_mesh
 from .tree import join_fqn
 
-__all__ = ["MaterializeReport", "default_init", "materialize_meta_module", "meta_tensor_names"]
+__all__ = ["MaterializeReport", "broadcast_from_rank0", "default_init", "materialize_meta_module", "meta_tensor_names"]
 
 
 @dataclass
@@ -248,20 +248,20 @@ def _sync_replicated(owners: dict[str, nn.Module], parallel_dims: dict[DeviceMes
                 if groups:
                     synced.append(fqn)
             else:
-                _broadcast_plain(tensor)
+                broadcast_from_rank0(tensor)
                 synced.append(fqn)
     return synced
 
 
-def _broadcast_plain(tensor: torch.Tensor) -> None:
-    """Broadcast from global rank 0, staging a CPU tensor on the accelerator for a backend without
-    CPU support (NCCL)."""
+def broadcast_from_rank0(tensor: torch.Tensor, what: str = "materialize_meta_module") -> None:
+    """Broadcast a plain tensor from global rank 0, staging a CPU tensor on the accelerator for a
+    backend without CPU support (NCCL). ``what`` names the caller in the error."""
     backend = str(dist.get_backend()).lower()
     if tensor.device.type == "cpu" and "gloo" not in backend:
         acc = torch.accelerator.current_accelerator()
         if acc is None:
             raise RuntimeError(
-                f"materialize_meta_module broadcasts replicated (non-DTensor) tensors from rank 0, but the "
+                f"{what} broadcasts replicated (non-DTensor) tensors from rank 0, but the "
                 f"backend {backend!r} has no CPU support and no accelerator is present to stage them on. Fix: "
                 "initialize the process group with a backend that supports CPU tensors, e.g. "
                 "dist.init_process_group('gloo') or 'cpu:gloo,cuda:nccl'.")

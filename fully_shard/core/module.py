@@ -308,12 +308,15 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     method = getattr(module, method_name, None)
     if method is None:
         raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
-    orig = getattr(type(module), method_name)
+    # the class's function (registering twice wraps once); else the bound method, e.g. an FSDP1 wrapper's
+    # ``generate`` reached through its wrapped module (transformers' Trainer registers it)
+    orig = getattr(type(module), method_name, None)
+    call = functools.partial(orig, module) if orig is not None else method
 
-    @functools.wraps(orig)
+    @functools.wraps(orig if orig is not None else method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = state.pre_forward_hook(module, args, kwargs)
-        output = orig(module, *args, **kwargs)
+        output = call(*args, **kwargs)
         return state.post_forward_hook(module, args, kwargs, output)
 
     setattr(module, method_name, wrapped)

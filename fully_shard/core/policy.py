@@ -83,6 +83,7 @@ class ShardingStrategy(enum.Enum):
     SHARD_GRAD_OP = "shard_grad_op"  # ZeRO-2: gathered params kept from forward to backward
     NO_SHARD = "no_shard"  # DDP semantics: replicated params, all-reduced grads
     HYBRID_SHARD = "hybrid_shard"  # HSDP: shard within a node, replicate across nodes (2-D mesh)
+    _HYBRID_SHARD_ZERO2 = "_hybrid_shard_zero2"  # HSDP keeping the gathered params from forward to backward
 
 
 def check_reshard_after_forward(value: Any, shard_world: int) -> None:

@@ -132,6 +132,10 @@ def _offload_policy(value: Any) -> OffloadPolicy:
 
 
 def _ours(name: str) -> object:
+    if name in ("FullyShardedDataParallel", "FSDP"):
+        from ..wrap.fsdp1 import FullyShardedDataParallel  # imported on use: `import fully_shard.compat` stays light
+
+        return FullyShardedDataParallel
     ours: dict[str, object] = {
         "share_comm_ctx": share_comm_ctx, "fully_shard": fully_shard, "FSDPModule": FSDPModule,
         "UnshardHandle": UnshardHandle, "MixedPrecisionPolicy": MixedPrecisionPolicy, "OffloadPolicy": OffloadPolicy,
@@ -140,27 +144,40 @@ def _ours(name: str) -> object:
 
 
 # --- patch / unpatch -----------------------------------------------------------------------------
-def patch_torch() -> list[str]:
-    """Rebind torch's FSDP2 names (table in this module's docstring) to this library. Idempotent;
-    returns the ``module.name`` entries now bound to this library's objects."""
+# patch_torch(fsdp1=True) also rebinds torch's FSDP1 class (FSDP1 code: accelerate's fsdp_version=1, verl's
+# strategy=fsdp, Lightning's FSDPStrategy) to fully_shard.FullyShardedDataParallel (wrap/fsdp1/,
+# design/fsdp1.md): where torch defines it and where torch's own modules bound it at their import. Its
+# enums and configs stay torch's: the class reads torch's objects as its own.
+FSDP1_TARGETS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("torch.distributed.fsdp", ("FullyShardedDataParallel",)),
+    ("torch.distributed.fsdp.fully_sharded_data_parallel", ("FullyShardedDataParallel",)),
+    ("torch.distributed.checkpoint.state_dict", ("FSDP",)),
+    ("torch.distributed.optim.named_optimizer", ("FSDP",)),
+    ("torch.distributed.algorithms._optimizer_overlap.optimizer_overlap", ("FullyShardedDataParallel",)),
+)
+
+
+def patch_torch(*, fsdp1: bool = False) -> list[str]:
+    """Rebind torch's FSDP2 names (table in this module's docstring) to this library, and with ``fsdp1``
+    its FSDP1 class too (``FSDP1_TARGETS``). Idempotent (a later call with ``fsdp1=True`` adds the FSDP1
+    names); returns the ``module.name`` entries now bound to this library's objects."""
     with _LOCK:
-        if not _SAVED:
-            # Import every target first: a module imported while torch.distributed.fsdp is already
-            # patched (pipelining, the legacy path) would bind our objects at its import, and those
-            # would then be "restored" by unpatch_torch().
-            modules = []
-            for modname, names in TARGETS:
-                try:
-                    importlib.import_module(modname)
-                except ImportError:  # an older torch without this module: nothing to rebind there
-                    continue
-                modules.append((sys.modules[modname], modname, names))
-            for mod, modname, names in modules:
-                for name in names:
-                    if name in vars(mod):
-                        _SAVED[(modname, name)] = vars(mod)[name]
-            for (modname, name) in _SAVED:
-                setattr(sys.modules[modname], name, _ours(name))
+        # Import every target first: a module imported while torch.distributed.fsdp is already
+        # patched (pipelining, the legacy path) would bind our objects at its import, and those
+        # would then be "restored" by unpatch_torch().
+        modules = []
+        for modname, names in TARGETS + (FSDP1_TARGETS if fsdp1 else ()):
+            try:
+                importlib.import_module(modname)
+            except ImportError:  # an older torch without this module: nothing to rebind there
+                continue
+            modules.append((sys.modules[modname], modname, names))
+        fresh = [(modname, name) for mod, modname, names in modules for name in names
+                 if name in vars(mod) and (modname, name) not in _SAVED]
+        for modname, name in fresh:
+            _SAVED[(modname, name)] = vars(sys.modules[modname])[name]
+        for modname, name in fresh:
+            setattr(sys.modules[modname], name, _ours(name))
         return patched_names()
 
 

@@ -52,6 +52,7 @@ from .cache import (
     same,
     token_of,
 )
+from .originals import rebind_originals
 
 __all__ = ["StepPath", "get_step_path", "set_step_path"]
 
@@ -166,6 +167,7 @@ def _pre_step(optimizer: Optimizer, args: tuple[Any, ...],
     cache = _hooks.caches.get(optimizer)
     if cache is None or cache.epoch != _hooks.epoch or cache.groups_seen != len(optimizer.param_groups):
         # new optimizer, a fully_shard call since (params may have been replaced), or add_param_group()
+        rebind_originals(optimizer)  # built before the FSDP1 front end wrapped them: the successors (originals.py)
         _refuse_replaced(optimizer)
         cache = _hooks.caches[optimizer] = _Cache(_hooks.epoch, len(optimizer.param_groups),
                                                   LocalState(optimizer.state), ours=_holds_ours(optimizer))

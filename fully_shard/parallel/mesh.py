@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +163,8 @@ class _Made:
     # dp x tp meshes by (dp, tp) (concatenate_meshes); joined slices by the list (concatenate)
     combined: dict[tuple[DeviceMesh, DeviceMesh], DeviceMesh] = dataclasses.field(default_factory=dict)
     concatenated: dict[tuple[DeviceMesh, ...], DeviceMesh] = dataclasses.field(default_factory=dict)
+    # other meshes made once by a caller's key (mesh_once: the FSDP1 front end's hybrid meshes)
+    meshes: dict[tuple[Any, ...], DeviceMesh] = dataclasses.field(default_factory=dict)
 
 
 # Module-level because process groups are process-wide: ``new_group`` is a collective that every rank of the
@@ -176,6 +179,15 @@ def _made() -> _Made:
     world = dist.group.WORLD
     assert world is not None, "fully_shard's meshes need torch.distributed initialized"
     return _WORLDS.setdefault(world, {}).setdefault(dist.get_rank(), _Made())
+
+
+def mesh_once(key: tuple[Any, ...], make: Callable[[], DeviceMesh]) -> DeviceMesh:
+    """The mesh ``make()`` builds, made once per ``key`` in this rank's world and shared afterwards (every
+    rank calls this alike: making a mesh can be a collective)."""
+    meshes = _made().meshes
+    if key not in meshes:
+        meshes[key] = make()
+    return meshes[key]
 
 
 def singleton_group() -> dist.ProcessGroup:

@@ -27,6 +27,8 @@ def strategy_kwargs(strategy: ShardingStrategy, *, mesh: DeviceMesh | None = Non
     SHARD_GRAD_OP    1-D (W,)                         False                  AG fwd + RS
     NO_SHARD         2-D (W, 1) replicate x shard     False                  AR (AG/RS over 1 rank)
     HYBRID_SHARD     2-D (R, S) replicate x shard     True                   AG, AG (S) + RS (S) + AR (R)
+    _HYBRID_SHARD_   2-D (R, S) replicate x shard     False                  AG (S) + RS (S) + AR (R)
+    ZERO2
     ===============  ===============================  =====================  ==========================
 
     The root unit always keeps its parameters from forward to backward (it runs first in backward);
@@ -37,7 +39,7 @@ def strategy_kwargs(strategy: ShardingStrategy, *, mesh: DeviceMesh | None = Non
         raise TypeError(f"strategy must be a ShardingStrategy, got {strategy!r}. Fix: e.g. "
                         "strategy=ShardingStrategy.FULL_SHARD.")
     name = f"ShardingStrategy.{strategy.name}"
-    if strategy is ShardingStrategy.HYBRID_SHARD:
+    if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
         if mesh is None or mesh.ndim != 2:
             found = "no mesh" if mesh is None else f"a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}"
             raise ValueError(
@@ -46,12 +48,13 @@ def strategy_kwargs(strategy: ShardingStrategy, *, mesh: DeviceMesh | None = Non
         _check_covers_world(mesh, name)
         replicas, shards = mesh.size(0), mesh.size(1)
         if replicas == 1 or shards == 1:
-            same = "FULL_SHARD" if replicas == 1 else "NO_SHARD"
+            zero2 = strategy is ShardingStrategy._HYBRID_SHARD_ZERO2
+            same = ("SHARD_GRAD_OP" if zero2 else "FULL_SHARD") if replicas == 1 else "NO_SHARD"
             raise ValueError(
                 f"{name} on a mesh of shape ({replicas}, {shards}) is really {same}: one of its dimensions "
                 f"has size 1. Fix: use ShardingStrategy.{same}, or a mesh with more than one replica and "
                 "more than one shard, e.g. (num_nodes, gpus_per_node).")
-        return {"mesh": mesh, "reshard_after_forward": True}
+        return {"mesh": mesh, "reshard_after_forward": strategy is ShardingStrategy.HYBRID_SHARD}
     if strategy is ShardingStrategy.NO_SHARD:
         return {"mesh": _replicate_mesh(mesh, name), "reshard_after_forward": False}
     if mesh is None:

@@ -15,8 +15,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2] / "fully_shard"
 
 # package -> layer; a module may import from its own package or a lower layer
-LAYERS = {"parallel": 0, "comm": 1, "core": 2, "optim": 3, "wrap": 3, "interop": 4, "checkpoint": 4, "tools": 5,
-          "": 6}  # "": fully_shard/__init__.py and the entry points beside it (compat.py, tune.py)
+LAYERS = {"parallel": 0, "comm": 1, "core": 2, "optim": 3, "checkpoint": 4, "wrap": 5, "interop": 6, "tools": 6,
+          "": 7}  # "": fully_shard/__init__.py and the entry points beside it (compat.py, tune.py)
+# wrap/ sits above checkpoint/ and optim/: FSDP1's FullyShardedDataParallel (wrap/fsdp1/) gives its state dicts
+# and clip_grad_norm_ through them; interop/patch.py above wrap/ rebinds torch's FSDP1 class to it.
 
 
 def _module_name(path: Path) -> str:
