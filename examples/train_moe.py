@@ -3,6 +3,9 @@
     torchrun --nproc_per_node 4 examples/train_moe.py                 # ours, then torch's, side by side
     torchrun --nproc_per_node 4 examples/train_moe.py --impl torch    # torch's fully_shard only
 
+(torch 2.11's fully_shard has no per-parameter meshes: there the first command runs this library alone and
+says so.)
+
 Meshes (torchtitan's layout): dense ``dp`` 4 for embeddings, norms, routers, shared MLPs and the head;
 experts on ``(efsdp 2, ep 2)``: each expert weight is a stacked ``[E, ...]`` tensor, ``Shard(0)`` on ``ep``
 (ep rank j owns experts ``j*E/2 ...``), and fully_shard shards that EP shard over ``efsdp``. One
@@ -199,9 +202,28 @@ def main(argv: list[str] | None = None) -> dict[str, list[tuple[float, float]]]:
     return runs
 
 
+def torch_lacks_placement_results() -> str | None:
+    """Why torch's fully_shard cannot run this recipe here (torch 2.11 has no per-parameter meshes: no
+    ``ShardPlacementResult``), else None."""
+    import torch.distributed.fsdp._fully_shard._fsdp_common as common
+
+    if hasattr(common, "ShardPlacementResult"):
+        return None
+    return (f"torch {torch.__version__}'s fully_shard has no ShardPlacementResult (per-parameter meshes, which torch "
+            "2.13 has): it cannot shard experts on efsdp beside the dense dp mesh")
+
+
 def run(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
-    """Train with each ``--impl`` in the initialized process group; rank 0 prints the table."""
+    """Train with each ``--impl`` in the initialized process group; rank 0 prints the table. On a torch
+    whose fully_shard has no per-parameter meshes, "both" runs this library alone and says so."""
     impls = ("ours", "torch") if args.impl == "both" else (args.impl,)
+    lacking = torch_lacks_placement_results() if "torch" in impls else None
+    if lacking is not None:
+        if args.impl == "torch":
+            raise SystemExit(f"--impl torch: {lacking}")
+        impls = ("ours",)
+        if dist.get_rank() == 0:
+            print(f"{lacking}; running this library alone")
     runs = {impl: train(impl, args) for impl in impls}
     if dist.get_rank() == 0:
         print("step  " + "  ".join(f"{impl + ' loss':>12} {impl + ' norm':>12}" for impl in impls))

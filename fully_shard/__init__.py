@@ -1,8 +1,8 @@
 """fully_shard: FSDP2 (ZeRO-3) on DTensor. Public API only; see README.md and design/overview.md.
 
 The core (``fully_shard``, ``FSDPModule``, policies, clipping) is imported here; the applications on it
-(``checkpoint``, the profiler, the wrap planner) are imported on first use of their names, so
-``import fully_shard`` loads neither safetensors nor the tools.
+(``checkpoint``, the profiler, the wrap planner, ``ft``) are imported on first use of their names, so
+``import fully_shard`` loads neither safetensors, the tools nor torchft.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from . import optim  # noqa: F401  (registers the local-shard optimizer step with the core (optim/__init__.py))
 from .comm.trace import EventKind, Phase
 from .core.api import fully_shard
+from .core.finalize import GradientReductionHandle
 from .core.init import default_init, materialize_meta_module
 from .core.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .core.placement import ShardPlacement
@@ -28,7 +29,7 @@ from .optim.clip import clip_grad_norm_, total_grad_norm
 from .parallel.mesh import DataParallelMeshDims
 
 if TYPE_CHECKING:
-    from . import checkpoint
+    from . import checkpoint, ft
     from .tools.profile import Profiler, profile
     from .wrap import (
         FullyShardedDataParallel,
@@ -63,7 +64,7 @@ _FSDP1_NAMES = ("BackwardPrefetch", "CPUOffload", "FullOptimStateDictConfig", "F
 
 # name -> the module that defines it, imported on first access (PEP 562)
 _LAZY = {
-    "checkpoint": "fully_shard.checkpoint",
+    "checkpoint": "fully_shard.checkpoint", "ft": "fully_shard.ft",
     "Profiler": "fully_shard.tools.profile", "profile": "fully_shard.tools.profile",
     **{name: "fully_shard.wrap" for name in (
         "GranularityPolicy", "ModuleClassPolicy", "ParamCountPolicy", "PredicatePolicy", "UnitReport", "WrapPlan",
@@ -77,7 +78,7 @@ def __getattr__(name: str) -> Any:
     if target is None:
         raise AttributeError(f"module 'fully_shard' has no attribute {name!r}")
     module = importlib.import_module(target)
-    value = module if name == "checkpoint" else getattr(module, name)
+    value = module if name in ("checkpoint", "ft") else getattr(module, name)
     globals()[name] = value
     return value
 
@@ -97,6 +98,7 @@ __all__ = [
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "FullyShardedDataParallel",
+    "GradientReductionHandle",
     "GranularityPolicy",
     "LocalOptimStateDictConfig",
     "LocalStateDictConfig",
@@ -122,6 +124,7 @@ __all__ = [
     "checkpoint",
     "clip_grad_norm_",
     "default_init",
+    "ft",
     "fully_shard",
     "materialize_meta_module",
     "plan_wrap",

@@ -1,8 +1,8 @@
 """Where torch's own fully_shard can serve as the side-by-side reference, and why not where it cannot.
 
-The library targets torch 2.13's FSDP2 surface but must also run on older torch (2.11 on the GPU
-machine). There torch's fully_shard lacks some names and fails some runs that this library handles;
-a test then still checks this library (against the unsharded model), drops only the torch side and
+The library targets torch 2.13's FSDP2 surface plus torch 2.15's additions, and must also run on older torch
+(2.11 on the GPU machine). There torch's fully_shard lacks some names and fails some runs that this library
+handles; a test then still checks this library (against the unsharded model), drops only the torch side and
 reports the reason returned here (``pytest.skip`` after its own checks passed)."""
 
 from __future__ import annotations
@@ -22,13 +22,23 @@ def lacks_name(module: str, name: str) -> str | None:
     return f"torch {torch.__version__} has no {module}.{name} (torch 2.13 has): {_SKIPPED}"
 
 
-def lacks_method(name: str) -> str | None:
-    """Why torch's ``FSDPModule.name`` cannot be the reference, else None."""
+def lacks_method(name: str, since: str = "2.13") -> str | None:
+    """Why torch's ``FSDPModule.name`` cannot be the reference (torch ``since`` has it), else None."""
     from torch.distributed.fsdp import FSDPModule
 
     if hasattr(FSDPModule, name):
         return None
-    return f"torch {torch.__version__}'s FSDPModule has no {name}() (torch 2.13's has): {_SKIPPED}"
+    return f"torch {torch.__version__}'s FSDPModule has no {name}() (torch {since}'s has): {_SKIPPED}"
+
+
+def lacks_field(module: str, cls: str, field: str) -> str | None:
+    """Why torch's dataclass ``module.cls`` cannot be the reference for ``field`` (this torch's has no such
+    field: torch 2.15 added ``MixedPrecisionPolicy.param_dtype_override_fn``), else None."""
+    import dataclasses
+
+    if field in {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), cls))}:
+        return None
+    return f"torch {torch.__version__}'s {cls} has no {field} (torch 2.15's has): {_SKIPPED}"
 
 
 def fails_before(fixed: tuple[int, int], what: str) -> str | None:

@@ -111,6 +111,7 @@ class CommContext:
         self.copy_in_ordered = False  # the copy-in stream waited on compute this iteration (order_copy_in)
         self.grad_offload_event: Any = None  # after the last asynchronous grad copy to the host (offload)
         self.post_optim_event: Any = None  # set_post_optim_event: waited once by the next copy-in
+        self.active_reduction: Any = None  # finalize_backward(async_op=True)'s handle until waited (core/finalize.py)
         if self.accelerated:
             mod = _stand_in if _stand_in is not None else torch.get_device_module(device)
             # Higher priority for the all-gather streams so the next unit's params arrive first.

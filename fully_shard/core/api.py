@@ -76,7 +76,7 @@ def fully_shard(module: M, *, mesh: DeviceMesh | None = None, reshard_after_forw
     pin = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
     meshes = MeshGroups(mesh_info)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
-    params = _shard_params(slots, meshes, device, storage_device, shard_placement_fn, pin, offload)
+    params = _shard_params(slots, meshes, device, storage_device, shard_placement_fn, pin, offload, mp_policy)
     _check_dtensor_params(params, reshard_after_forward, mesh_info)
     _check_groups(params, meshes, reshard_after_forward, all_gather_policy, device)
     for (orig, where), sp in zip(slots, params):  # only once every parameter was accepted: a failed call
@@ -120,6 +120,8 @@ def _unit_owners(modules: tuple[nn.Module, ...], state: FSDPState) -> dict[int, 
                 how = "Replicate()" if p.layout.replicated else f"Shard({p.shard_dim})"
                 if p.spec.is_dtensor:
                     how = p.spec.describe() if not p.layout.replicated else f"{p.spec.replicated}"
+                if unit.mp_policy.param_dtype_override_fn is not None:  # what it returned decides the gather
+                    how += f" param_dtype={p.param_dtype}"
                 owners[id(p.sharded_param)] = f"unit={name} {how}"
     return owners
 
@@ -185,10 +187,11 @@ def _walk_unowned(root: nn.Module) -> Iterable[tuple[str, nn.Module]]:
 def _shard_params(slots: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]], meshes: MeshGroups,
                   device: torch.device, storage_device: torch.device,
                   shard_placement_fn: Callable[[nn.Parameter], Any] | None,
-                  pin_memory: bool, offload: bool) -> list[ShardedParam]:
+                  pin_memory: bool, offload: bool, mp_policy: MixedPrecisionPolicy) -> list[ShardedParam]:
     params = []
     for p, where in slots:
         module, name, fqn = where[0]
+        param_dtype = mp_policy.param_dtype_of(p)  # param_dtype_override_fn: once per parameter, here
         if p.device.type not in ("meta", "cpu", device.type):
             raise ValueError(f"parameter {fqn!r} is on {p.device} but the mesh's device type is "
                              f"{device.type!r}. Fix: build the mesh on {p.device.type!r} "
@@ -200,7 +203,7 @@ def _shard_params(slots: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str
                              "Fix: build every mesh of one unit on one device type.")
         shard_dim = _shard_dim(placement, p, fqn)
         sp = ShardedParam(module, name, fqn, p, mesh_info, storage_device,  # meta stays meta until to_empty
-                          pin_memory=pin_memory, offload=offload, shard_dim=shard_dim)
+                          pin_memory=pin_memory, offload=offload, shard_dim=shard_dim, param_dtype=param_dtype)
         sp.slots = [(m, n) for m, n, _ in where]
         params.append(sp)
     return params

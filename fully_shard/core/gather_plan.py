@@ -15,13 +15,17 @@ and write tensor), no new tensor object per parameter (design/data-path.md). Per
 Its variant says what one rank's segment holds:
 
 - plain: each padded shard cast to ``param_dtype``, back to back (``layout.FlatLayout``);
+- bytes (``param_dtype_override_fn`` keeping some parameters in another dtype, e.g. fp32 norms in a bf16
+  unit): each padded shard cast to its own dtype and written as bytes into a ``uint8`` segment, as torch
+  2.15's all-gather does (``layout.ByteLayout``); the copy-out splits the rows into byte views of the
+  storages (made once, at build: the storages are resized in place, the views stay valid);
 - int8 (``QuantizedAllGather``): the segment quantized into int8 blocks + float32 scales packed as bytes,
   dequantized before the split (quantize.py, design/quantized-all-gather.md);
 - tensor subclass: the inputs of each extension parameter's ``fsdp_pre_all_gather`` beside the plain
   parameters' shards, as ``uint8`` where their dtypes differ (extension.py,
   design/tensor-subclass-extension.md); the layout is agreed by every rank at the unit's first unshard.
 
-The k-partial all-gather gathers a plain unit's segments over a k-rank subgroup from the kept block.
+The k-partial all-gather gathers a plain (or bytes) unit's segments over a k-rank subgroup from the kept block.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from ..parallel import local_dtensor
 from ..parallel.mesh import MeshInfo, SubgroupInfo
 from . import quantize
 from .extension import InputSpec
-from .layout import FlatLayout
+from .layout import ByteLayout, FlatLayout
 from .param import ShardedParam
 from .policy import MixedPrecisionPolicy
 from .quantize import BlockLayout
@@ -66,15 +70,16 @@ def _shared_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch
     return zeros
 
 
-def param_dtype_for(param: ShardedParam, mp_policy: MixedPrecisionPolicy) -> torch.dtype:
-    """The ``param_dtype`` the post-hook gets: the policy's for a floating-point parameter, else its own
-    (torch's rule)."""
+def param_dtype_for(param: ShardedParam) -> torch.dtype:
+    """The ``param_dtype`` the post-hook gets: the unit policy's for a floating-point parameter
+    (``param_dtype_override_fn`` applied), else its own (torch's rule)."""
     orig = param.orig_dtype
-    return mp_policy.param_dtype if mp_policy.param_dtype is not None and orig.is_floating_point else orig
+    return param.param_dtype if param.param_dtype is not None and orig.is_floating_point else orig
 
 
 class GatherVariant(enum.Enum):
     PLAIN = "plain"
+    BYTES = "bytes"  # param_dtype_override_fn: the parameters gathered at several dtypes, as uint8
     QUANTIZED = "int8"  # QuantizedAllGather
     SUBCLASS = "subclass"  # some parameter gathers through fsdp_pre/post_all_gather
 
@@ -89,6 +94,7 @@ class _Flattened:
     to_device: bool  # CPU offload (or a shard elsewhere): copied to the device, asynchronously where pinned
     pad: torch.Tensor | None  # the zeros after it (padding to the padded shard)
     block_pad: torch.Tensor | None  # int8: the zeros that fill its last quantization block
+    cast: torch.dtype | None  # bytes: the dtype it is gathered at, its bytes written (the pad is uint8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,13 +128,15 @@ class GatherPlan:
     (see the module docstring)."""
 
     def __init__(self, params: list[ShardedParam], *, fqn: str, flat: FlatLayout, blocks: BlockLayout | None,
-                 param_dtype: torch.dtype, device: torch.device, mesh_info: MeshInfo, subgroup: SubgroupInfo | None,
-                 mp_policy: MixedPrecisionPolicy, comm: Any = None, agreed: GatherPlan | None = None) -> None:
+                 dtypes: tuple[torch.dtype, ...], device: torch.device, mesh_info: MeshInfo,
+                 subgroup: SubgroupInfo | None, mp_policy: MixedPrecisionPolicy, comm: Any = None,
+                 agreed: GatherPlan | None = None) -> None:
         self.params = params
         self.fqn = fqn
         self.flat = flat
         self.blocks = blocks
-        self.param_dtype = param_dtype
+        self.dtypes = dtypes  # each parameter's all-gather dtype (ParamGroup.dtypes)
+        self.param_dtype = dtypes[0]  # the all-gather's dtype where it is one (not BYTES)
         self.device = device
         self.mesh_info = mesh_info
         self.world = flat.world
@@ -136,8 +144,13 @@ class GatherPlan:
         self.mp_policy = mp_policy
         self.alloc: Alloc | None = comm.allocate if comm is not None else None
         exts = [p.extension for p in params if p.extension is not None]
-        self.variant = (GatherVariant.SUBCLASS if exts else
-                        GatherVariant.QUANTIZED if blocks is not None else GatherVariant.PLAIN)
+        self.variant = (GatherVariant.SUBCLASS if exts else GatherVariant.QUANTIZED if blocks is not None else
+                        GatherVariant.BYTES if len(set(dtypes)) > 1 else GatherVariant.PLAIN)
+        # bytes: each padded shard's bytes at its dtype; one rank's segment in the buffer's elements
+        self.bytes = (ByteLayout(flat, tuple(d.itemsize for d in dtypes)) if self.variant is GatherVariant.BYTES
+                      else None)
+        self.buffer_dtype = torch.uint8 if self.bytes is not None else self.param_dtype
+        self.shard_units = self.bytes.shard_numel if self.bytes is not None else flat.shard_numel
         if exts and (blocks is not None or subgroup is not None):
             what = "QuantizedAllGather" if blocks is not None else "reshard_after_forward=k (k-rank subgroups)"
             raise NotImplementedError(
@@ -158,7 +171,11 @@ class GatherPlan:
         self.storages = tuple((p.unsharded_storage, p.unsharded_nbytes) for p in params
                               if p.extension is None and p.unsharded_storage is not None)
         self.extensions = tuple(exts)
-        sizes = blocks.pieces if blocks is not None else tuple(s for size in flat.sizes for s in (size, 0))
+        # torch 2.15: each extension's pre-hook gets its parameter's policy, its post-hook its param_dtype
+        self.ext_policies = tuple(mp_policy.with_param_dtype(p.param_dtype) for p in params if p.extension is not None)
+        self.ext_dtypes = tuple(param_dtype_for(p) for p in params if p.extension is not None)
+        sizes = (blocks.pieces if blocks is not None else
+                 tuple(s for size in (self.bytes or flat).sizes for s in (size, 0)))
         self.splits: list[int] = []
         self.outs: list[torch.Tensor | None] = []  # None: a fresh buffer per unshard (staged, block padding)
         staged: list[_Staged] = []
@@ -168,8 +185,10 @@ class GatherPlan:
                 staged.append(_Staged(len(self.outs), size, write, p.layout.replicated, p.layout.numel,
                                       p.layout.shape, p.unsharded_shape, p.shard_dim))
                 self.outs.append(None)
-            else:  # the storage is resized in place: the write tensor stays valid
-                self.outs.append(p.unsharded_write if p.extension is None else None)
+            elif p.extension is not None:
+                self.outs.append(None)
+            else:  # the storage is resized in place: the write tensor (and a byte view of it) stays valid
+                self.outs.append(p.unsharded_write if self.bytes is None else p.unsharded_write.view(torch.uint8))
             self.splits.append(size)
             if block_pad:
                 self.outs.append(None)
@@ -182,10 +201,12 @@ class GatherPlan:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the gathered buffer at ``param_dtype`` (padding included; a tensor-subclass unit's once
-        agreed)."""
+        """Bytes of the gathered buffer at ``param_dtype`` (padding included; bytes: each parameter at its own
+        dtype; a tensor-subclass unit's once agreed)."""
         if self.agreed is not None:
             return self.world * self.agreed.shard_units * self.agreed.dtype.itemsize
+        if self.bytes is not None:
+            return self.bytes.total_numel
         return self.flat.total_numel * self.param_dtype.itemsize
 
     # --- building ------------------------------------------------------------------------------------
@@ -211,21 +232,26 @@ class GatherPlan:
     def _flattened(self) -> tuple[_Flattened, ...]:
         out = []
         block_pads = self.blocks.pieces[1::2] if self.blocks is not None else (0,) * len(self.params)
-        for p, d, block_pad in zip(self.params, self.sharded, block_pads):
+        as_bytes = self.bytes is not None
+        for p, d, block_pad, gathered in zip(self.params, self.sharded, block_pads, self.dtypes):
             if p.extension is not None:
                 continue
             local = _local(d)
             to_device = p.offload or local.device != self.device
-            dtype = local.dtype
+            # (the cat casts each piece to the buffer's dtype; bytes: the pieces are cast first, then viewed)
+            dtype, pad = (torch.uint8, p.padding_numel * gathered.itemsize) if as_bytes else (local.dtype,
+                                                                                             p.padding_numel)
             out.append(_Flattened(d, p.shard_dim, to_device,
-                                  _shared_zeros(p.padding_numel, dtype, self.device) if p.padding_numel else None,
-                                  _shared_zeros(block_pad, dtype, self.device) if block_pad else None))
+                                  _shared_zeros(pad, dtype, self.device) if pad else None,
+                                  _shared_zeros(block_pad, dtype, self.device) if block_pad else None,
+                                  gathered if as_bytes else None))
         return tuple(out)
 
     # --- copy-in -------------------------------------------------------------------------------------
     def copy_in(self) -> torch.Tensor:
         """Allocate the gathered buffer and write this rank's segment: one ``_chunk_cat``, else one cat of
-        the flattened pieces (cast to ``param_dtype``), quantized (int8), or the subclass pieces."""
+        the flattened pieces (cast to ``param_dtype``; bytes: to each one's dtype, as ``uint8``), quantized
+        (int8), or the subclass pieces."""
         if self.variant is GatherVariant.SUBCLASS:
             return self._copy_in_subclass()
         if self.variant is GatherVariant.QUANTIZED:
@@ -235,11 +261,11 @@ class GatherPlan:
                 segment = out.narrow(0, self.rank * self.blocks.packed_nbytes, self.blocks.packed_nbytes)
                 quantize.pack(torch.cat(self._pieces()), self.blocks, segment)
             return out
-        flat = self.flat
-        out = allocate(self.alloc, flat.total_numel, self.param_dtype, self.device)
+        units = self.shard_units
+        out = allocate(self.alloc, self.world * units, self.buffer_dtype, self.device)
         if not self.params:
             return out
-        own = out.narrow(0, self.rank * flat.shard_numel, flat.shard_numel)
+        own = out.narrow(0, self.rank * units, units)
         if self.fused:
             pads = self.pads
             if pads is None:
@@ -260,6 +286,8 @@ class GatherPlan:
             flat = (local.movedim(f.shard_dim, 0) if f.shard_dim else local).reshape(-1)
             if f.to_device:
                 flat = flat.to(self.device, non_blocking=True, copy=True)
+            if f.cast is not None:  # bytes
+                flat = flat.to(f.cast).view(torch.uint8)
             parts.append(flat)
             if f.pad is not None:
                 parts.append(f.pad)
@@ -270,28 +298,31 @@ class GatherPlan:
     def kept(self) -> torch.Tensor:
         """``reshard_after_forward=k``, at reshard: the block of the gathered buffer this rank keeps, segments
         ``[r * W/k, (r + 1) * W/k)`` for its rank ``r`` in the k-subgroup, rebuilt from the unsharded
-        parameters (one cat)."""
+        parameters (one cat; bytes: each part as ``uint8``)."""
         assert self.kept_over is not None
         world = self.world
         per = world // self.kept_over.world
         rows = slice(self.kept_over.rank * per, (self.kept_over.rank + 1) * per)
+        as_bytes = self.bytes is not None
         parts = []
         for p, size in zip(self.params, self.flat.sizes):
             write = p.unsharded_write
             if p.layout.replicated:
-                parts.append(write.view(1, 1).expand(per, 1))
+                part = write.view(1, 1).expand(per, 1)
             elif not p.shard_dim:
-                parts.append(write.view(world, size)[rows])
+                part = write.view(world, size)[rows]
             else:  # Shard(d > 0): the unsharded value in the communication layout, padded
                 flat = write.view(p.unsharded_shape).movedim(p.shard_dim, 0).reshape(-1)
-                parts.append(F.pad(flat, (0, world * size - flat.numel())).view(world, size)[rows])
+                part = F.pad(flat, (0, world * size - flat.numel())).view(world, size)[rows]
+            parts.append(part.contiguous().view(torch.uint8) if as_bytes else part)
         return torch.cat(parts, dim=1).view(-1)
 
     def copy_in_kept(self, block: torch.Tensor) -> torch.Tensor:
         """Allocate the gathered buffer and write the kept ``block`` into this rank's k-subgroup segment."""
         assert self.kept_over is not None
-        out = allocate(self.alloc, self.flat.total_numel, self.param_dtype, self.device)
-        size = self.flat.total_numel // self.kept_over.world
+        total = self.world * self.shard_units
+        out = allocate(self.alloc, total, self.buffer_dtype, self.device)
+        size = total // self.kept_over.world
         out.narrow(0, self.kept_over.rank * size, size).copy_(block)
         return out
 
@@ -314,14 +345,17 @@ class GatherPlan:
             rows = quantize.dequantize(quantize.data_view(packed, blocks), quantize.scales_view(packed, blocks),
                                        blocks.block_size, self.param_dtype)
         else:
-            rows = out.view(self.world, self.flat.shard_numel)
+            rows = out.view(self.world, self.shard_units)
         outs = self.outs
         if self.fresh:  # a fresh buffer where the rows are not a storage (staged, block padding)
             outs = [o if o is not None else rows.new_empty((rows.shape[0], n)) for o, n in zip(outs, self.splits)]
         if outs:
             torch.split_with_sizes_copy(rows, self.splits, dim=1, out=outs)  # type: ignore[arg-type]
+        as_bytes = self.bytes is not None
         for s in self.staged:
-            _write_staged(s, outs[s.index])  # type: ignore[arg-type]  # (filled above)
+            staged = outs[s.index]
+            assert staged is not None  # (filled above)
+            _write_staged(s, staged.view(s.write.dtype) if as_bytes else staged)
 
     def free(self) -> None:
         """Reshard: free the unsharded storages (resized to 0; the tensors on them stay valid)."""
@@ -339,11 +373,11 @@ class GatherPlan:
         self._agreed_inputs = self._inputs()
         return True
 
-    def _specs(self, p: ShardedParam) -> tuple[InputSpec, ...]:
+    def _specs(self, p: ShardedParam, dtype: torch.dtype) -> tuple[InputSpec, ...]:
         if p.extension is not None:
             assert p.extension.specs is not None
             return p.extension.specs
-        return (InputSpec((p.layout.padded_shard_numel,), self.param_dtype),)
+        return (InputSpec((p.layout.padded_shard_numel,), dtype),)
 
     def _agree(self, inputs: dict[int, list[torch.Tensor] | str]) -> None:
         """First unshard: every rank checks every rank's pre-hook answers (the same verdict everywhere,
@@ -362,7 +396,7 @@ class GatherPlan:
             e.specs = specs
             e.init_outputs(self.device)
             e.free()
-        specs = [s for p in self.params for s in self._specs(p)]
+        specs = [s for p, dtype in zip(self.params, self.dtypes) for s in self._specs(p, dtype)]
         as_bytes = len({s.dtype for s in specs}) > 1
         split = tuple(s.nbytes if as_bytes else s.numel for s in specs)
         self.agreed = _Agreed(as_bytes, torch.uint8 if as_bytes else specs[0].dtype, split, sum(split))
@@ -370,9 +404,9 @@ class GatherPlan:
     def _inputs(self) -> dict[int, list[torch.Tensor] | str]:
         first = self.agreed is None
         inputs: dict[int, list[torch.Tensor] | str] = {}
-        for e in self.extensions:
+        for e, policy in zip(self.extensions, self.ext_policies):
             try:
-                inputs[id(e)] = e.pre_all_gather(self.mp_policy, self.device)
+                inputs[id(e)] = e.pre_all_gather(policy, self.device)
             except Exception as exc:
                 if not first:
                     raise
@@ -382,7 +416,7 @@ class GatherPlan:
         return inputs
 
     def _copy_in_subclass(self) -> torch.Tensor:
-        """Plain shards cast to ``param_dtype``, extension inputs from their pre-hooks (the first unshard's
+        """Plain shards cast to their ``param_dtype``, extension inputs from their pre-hooks (the first unshard's
         came from ``agree``), in one cat (as bytes where the dtypes differ)."""
         inputs, self._agreed_inputs = self._agreed_inputs or self._inputs(), None
         agreed = self.agreed
@@ -390,7 +424,7 @@ class GatherPlan:
         out = allocate(self.alloc, self.world * agreed.shard_units, agreed.dtype, self.device)
         plain = iter(self.flattened)
         parts: list[torch.Tensor] = []
-        for p in self.params:
+        for p, dtype in zip(self.params, self.dtypes):
             if p.extension is not None:
                 ext_inputs = inputs[id(p.extension)]
                 assert not isinstance(ext_inputs, str)
@@ -402,7 +436,7 @@ class GatherPlan:
                 flat = (local.movedim(f.shard_dim, 0) if f.shard_dim else local).reshape(-1)
                 if f.to_device:
                     flat = flat.to(self.device, non_blocking=True, copy=True)
-                pieces = [flat.to(self.param_dtype)] + ([f.pad.to(self.param_dtype)] if f.pad is not None else [])
+                pieces = [flat.to(dtype)] + ([f.pad.to(dtype)] if f.pad is not None else [])
             parts += [t.view(torch.uint8) for t in pieces] if agreed.as_bytes else pieces
         torch.cat(parts, out=out.narrow(0, self.rank * agreed.shard_units, agreed.shard_units))
         return out
@@ -415,21 +449,20 @@ class GatherPlan:
         staged = {s.index: s for s in self.staged}  # (one slot per parameter: no block padding here)
         outs: list[torch.Tensor] = []
         fresh: list[tuple[_Staged, torch.Tensor]] = []
-        for i, (p, target) in enumerate(zip(self.params, self.outs)):
+        for i, (p, target, dtype) in enumerate(zip(self.params, self.outs, self.dtypes)):
             if p.extension is not None:
                 outs += p.extension.output_rows(agreed.as_bytes)
                 continue
-            if target is None:  # staged: a fresh buffer at param_dtype, copied below
+            if target is None:  # staged: a fresh buffer at its param_dtype, copied below
                 s = staged[i]
-                target = torch.empty(self.world, s.size, dtype=self.param_dtype, device=self.device)
+                target = torch.empty(self.world, s.size, dtype=dtype, device=self.device)
                 fresh.append((s, target))
             outs.append(target.view(torch.uint8) if agreed.as_bytes else target)
         torch.split_with_sizes_copy(out.view(self.world, agreed.shard_units), agreed.split, dim=1, out=outs)
         for s, rows in fresh:
             _write_staged(s, rows)
-        for p in self.params:
-            if p.extension is not None:
-                p.extension.post_all_gather(param_dtype_for(p, self.mp_policy))
+        for e, dtype in zip(self.extensions, self.ext_dtypes):
+            e.post_all_gather(dtype)
 
 
 def _write_staged(s: _Staged, rows: torch.Tensor) -> None:

@@ -29,7 +29,7 @@ from . import grad_mode
 from .gather_plan import GatherPlan, GatherVariant
 from .layout import FlatLayout
 from .param import ShardedParam
-from .policy import AllGatherPolicy, MixedPrecisionPolicy, QuantizedAllGather
+from .policy import AllGatherPolicy, MixedPrecisionPolicy, QuantizedAllGather, default_reduce_dtype
 from .quantize import BlockLayout
 from .reduce import ReduceQueue, Reducer
 
@@ -93,6 +93,12 @@ class ParamGroup:
         self.reshard_after_backward = True
         self.unshard_in_backward = True  # set_unshard_in_backward
         self._all_gather_comm: Any = None  # set_custom_all_gather / PG allocation: allocate() + __call__()
+        # set_keep_unsharded_storage: reshard registers the sharded parameters but keeps the unsharded storage
+        self.keep_unsharded_storage = False
+        self._unset_reduce_dtype = torch.get_default_dtype()  # (a group without parameters reduces nothing)
+        # each parameter's all-gather/compute dtype (its param_dtype, param_dtype_override_fn applied, else its
+        # own); where they differ the plan gathers bytes (GatherVariant.BYTES, torch 2.15's uint8 all-gather)
+        self.dtypes: tuple[torch.dtype, ...] = ()
         self._check_dtypes()
 
     @property
@@ -106,6 +112,11 @@ class ParamGroup:
 
     # --- dtypes ---------------------------------------------------------------------------------
     def _check_dtypes(self) -> None:
+        """The group's dtypes are fixed here (at construction, lazy init and after ``module.to(dtype)``):
+        checked, and the reduce dtype under ``reduce_dtype=None`` (``policy.default_reduce_dtype``) kept."""
+        if self.params:
+            self.dtypes = tuple(p.param_dtype or p.orig_dtype for p in self.params)
+            self._unset_reduce_dtype = default_reduce_dtype(self.dtypes, (p.orig_dtype for p in self.params))
         if self.blocks is not None:
             self._check_quantizable()
         if self.mp_policy.param_dtype is not None or not self.params:
@@ -120,6 +131,11 @@ class ParamGroup:
                 "or shard the differing submodules in their own fully_shard calls.")
 
     def _check_quantizable(self) -> None:
+        if len(set(self.dtypes)) > 1:
+            raise NotImplementedError(
+                f"fully_shard({self.fqn or '<root>'}) with QuantizedAllGather and param_dtype_override_fn keeping "
+                f"some parameters in another dtype ({sorted(set(map(str, self.dtypes)))}): the int8 blocks dequantize "
+                "into one param_dtype. Fix: drop one of the two, or shard those parameters in their own call.")
         bad = [f"{p.fqn}: {p.orig_dtype}" for p in self.params if not p.orig_dtype.is_floating_point]
         if bad or not self.param_dtype.is_floating_point:
             raise ValueError(
@@ -129,11 +145,12 @@ class ParamGroup:
 
     @property
     def param_dtype(self) -> torch.dtype:
+        """The unit's compute dtype (its inputs are cast to it); ``dtypes`` has each parameter's."""
         return self.mp_policy.param_dtype or self.params[0].orig_dtype
 
     @property
     def reduce_dtype(self) -> torch.dtype:
-        return self.mp_policy.reduce_dtype or self.param_dtype
+        return self.mp_policy.reduce_dtype or self._unset_reduce_dtype
 
     @property
     def grad_params(self) -> list[ShardedParam]:
@@ -152,10 +169,10 @@ class ParamGroup:
 
     @property
     def unsharded_nbytes(self) -> int:
-        """Bytes of the gathered buffer at ``param_dtype`` (padding included)."""
+        """Bytes of the gathered buffer, each parameter at its ``dtypes`` entry (padding included)."""
         if self.gather_plan is not None:
             return self.gather_plan.nbytes
-        return self.flat.total_numel * self.param_dtype.itemsize
+        return self.flat.world * sum(n * d.itemsize for n, d in zip(self.flat.sizes, self.dtypes))
 
     def check_subgroup(self, reshard_after_forward: bool | int | None) -> None:
         """A k-rank partial reshard needs the k-rank subgroups created at fully_shard time."""
@@ -208,8 +225,9 @@ class ParamGroup:
         self.comm = comm
         for p in self.params:
             p.adopt_module_param()
-            p.init_unsharded(self.param_dtype, self.device)
         self._check_dtypes()
+        for p, dtype in zip(self.params, self.dtypes):
+            p.init_unsharded(dtype, self.device)
         self._plan_gather()
 
     def adopt_module_params(self) -> None:
@@ -217,17 +235,17 @@ class ParamGroup:
         them and re-create the unsharded storage at the new ``param_dtype`` (lazily initialized groups)."""
         for p in self.params:
             p.adopt_module_param()
-            if self.comm is not None:
-                p.init_unsharded(self.param_dtype, self.device)
         self._check_dtypes()
         if self.comm is not None:
+            for p, dtype in zip(self.params, self.dtypes):
+                p.init_unsharded(dtype, self.device)
             self._plan_gather()
 
     def _plan_gather(self) -> None:
         """(Re)build the all-gather's plan from the parameters as they are now (a tensor-subclass unit keeps
         the layout its ranks agreed on)."""
         self.gather_plan = GatherPlan(self.params, fqn=self.fqn, flat=self.flat, blocks=self.blocks,
-                                      param_dtype=self.param_dtype, device=self.device, mesh_info=self.mesh_info,
+                                      dtypes=self.dtypes, device=self.device, mesh_info=self.mesh_info,
                                       subgroup=self.subgroup, mp_policy=self.mp_policy, comm=self._all_gather_comm,
                                       agreed=self.gather_plan)
 
@@ -288,7 +306,8 @@ class ParamGroup:
     # --- reshard -------------------------------------------------------------------------------
     @_outside_functorch
     def reshard(self, phase: trace.Phase = trace.Phase.EXPLICIT, *, partial: bool = False) -> None:
-        """Free the unsharded params; with ``partial`` keep this rank's k-subgroup block first."""
+        """Free the unsharded params (``keep_unsharded_storage``: register the sharded ones, keep the storage);
+        with ``partial`` keep this rank's k-subgroup block first."""
         if self.state is GroupState.UNSHARDING:
             self.wait_for_unshard(phase)
         if self.state is not GroupState.UNSHARDED:
@@ -304,7 +323,8 @@ class ParamGroup:
                 block = plan.kept()
             self._partial_shard = block
             self._partial_shard_event = self._comm.compute_event()  # (its copy-in, on another stream, follows it)
-        plan.free()
+        if not self.keep_unsharded_storage:  # set_keep_unsharded_storage: data pointers stay (CUDA graphs)
+            plan.free()
         self._register(unsharded=False)
         # (UNSHARDED -> new: checked on entry, as _transition would)
         self.state = GroupState.PARTIALLY_SHARDED if keep else GroupState.SHARDED

@@ -147,3 +147,35 @@ class FlatLayout:
         """Elements of the gathered buffer (world segments)."""
         return self.world * self.shard_numel
 
+
+@dataclass(frozen=True)
+class ByteLayout:
+    """A ``FlatLayout`` whose tensors are gathered at different dtypes (``param_dtype_override_fn``: e.g. bf16
+    weights and fp32 norms in one unit), counted in bytes: one ``uint8`` all-gather moves every tensor's padded
+    shard at its own dtype, as torch 2.15's does. The same attributes as ``FlatLayout``, in bytes."""
+
+    flat: FlatLayout
+    itemsizes: tuple[int, ...]  # per tensor: the byte width of the dtype it is gathered at
+
+    def __post_init__(self) -> None:
+        if len(self.itemsizes) != len(self.flat.tensors):
+            raise ValueError(f"one itemsize per tensor: {len(self.itemsizes)} for {len(self.flat.tensors)} tensors")
+
+    @property
+    def world(self) -> int:
+        return self.flat.world
+
+    @functools.cached_property
+    def sizes(self) -> tuple[int, ...]:
+        """Bytes of each tensor's padded shard in one rank's segment."""
+        return tuple(size * width for size, width in zip(self.flat.sizes, self.itemsizes))
+
+    @functools.cached_property
+    def shard_numel(self) -> int:
+        """Bytes of one rank's segment."""
+        return sum(self.sizes)
+
+    @functools.cached_property
+    def total_numel(self) -> int:
+        """Bytes of the gathered buffer (world segments)."""
+        return self.world * self.shard_numel

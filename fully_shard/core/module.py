@@ -6,7 +6,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import protocol
 from ..parallel.mesh import describe_mesh
-from . import roots
+from . import finalize, roots
+from .finalize import GradientReductionHandle
 from .group import GroupState, ParamGroup
 from .policy import check_reshard_after_forward
 from .state import FSDPState, get_state, states_under
@@ -81,9 +82,20 @@ class FSDPModule:
         return None
 
     def reshard(self) -> None:
-        """Free this unit's unsharded parameters, registering the sharded DTensors again."""
+        """Free this unit's unsharded parameters (unless ``set_keep_unsharded_storage(True)``), registering the
+        sharded DTensors again."""
         for group in self._fsdp.groups:
             group.reshard()
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """True: ``reshard()`` (and every reshard after forward or backward) registers the sharded parameters
+        again but keeps the unsharded storage allocated, so its data pointers stay the same across reshard and
+        unshard (CUDA-graph capture), at the memory of the gathered parameters (torch 2.15's). False (the
+        default): the next reshard frees it."""
+        if not isinstance(keep, bool):
+            raise TypeError(f"set_keep_unsharded_storage expects a bool, got {type(keep).__name__}: {keep!r}")
+        for group in self._groups(recurse):
+            group.keep_unsharded_storage = keep
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: accumulate unsharded grads locally with no collective (gradient accumulation)."""
@@ -116,6 +128,28 @@ class FSDPModule:
         """False: the end of the next backward does not wait for in-flight gradient reductions
         (micro-batching); they finish on the next backward or forward. Set on the root."""
         self._fsdp.is_last_backward = is_last_backward
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """True (on the root, before backward): the end of backward leaves the gradient reduction to
+        ``finalize_backward()``, called once after all backward passes of the step (supersedes
+        ``set_is_last_backward``); the mode cannot change during a backward iteration (finalize.py)."""
+        finalize.set_manual_backward_finalization(self._fsdp, enabled)
+
+    @overload
+    def finalize_backward(self, *, async_op: Literal[False] = False) -> None: ...
+
+    @overload
+    def finalize_backward(self, *, async_op: Literal[True]) -> GradientReductionHandle: ...
+
+    @overload
+    def finalize_backward(self, *, async_op: bool) -> GradientReductionHandle | None: ...
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """Manual backward finalization, on the root after backward: reduce the gradients the backward
+        passes left, reshard (``set_reshard_after_backward``) and wait for every reduction; ``async_op``:
+        return a ``GradientReductionHandle`` to ``wait()`` on before using the gradients or running forward.
+        Before the first forward: nothing to do."""
+        return finalize.finalize_backward(self._fsdp, async_op=async_op)
 
     def _groups(self, recurse: bool = False) -> Iterator[ParamGroup]:
         for state in self._fsdp_states(recurse):

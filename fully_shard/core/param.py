@@ -35,7 +35,7 @@ class ShardedParam:
 
     def __init__(self, module: nn.Module, name: str, fqn: str, param: nn.Parameter, mesh_info: MeshInfo,
                  storage_device: torch.device, *, pin_memory: bool = False, offload: bool = False,
-                 shard_dim: int = 0) -> None:
+                 shard_dim: int = 0, param_dtype: torch.dtype | None = None) -> None:
         self.module = module
         self.name = name
         self.slots: list[tuple[nn.Module, str]] = [(module, name)]  # every (module, attr) holding it
@@ -47,6 +47,9 @@ class ShardedParam:
         # CPU offload: the shard and its grad live on the host; every unshard copies it to the device and
         # every reduce copies the grad back (even where both are the CPU: tests run that path on CPU)
         self.offload = offload
+        # the unit policy's param_dtype for this parameter (param_dtype_override_fn applied once, at
+        # fully_shard()); None: its own dtype
+        self.param_dtype = param_dtype
         self.global_shape = tuple(param.shape)  # of the DTensor (the whole parameter)
         # Sharding along dim d uses the dim-0 layout of the tensor with d moved to the front.
         self.shard_dim = shard_dim if self.global_shape else 0
@@ -288,8 +291,10 @@ class ShardedParam:
         return self.describe(self.fqn)
 
     def describe(self, fqn: str) -> str:
-        """``blocks.0.up.weight f32[157@shard/2, 60] SHARDED``."""
-        state = "UNSHARDED" if self.unsharded_allocated() else "SHARDED"
+        """``blocks.0.up.weight f32[157@shard/2, 60] SHARDED`` (UNSHARDED: allocated and registered; a storage
+        ``set_keep_unsharded_storage`` keeps after reshard is not in use)."""
+        registered = self.unsharded_param is not None and self.module._parameters.get(self.name) is self.unsharded_param
+        state = "UNSHARDED" if registered and self.unsharded_allocated() else "SHARDED"
         dims = [str(size) for size in self.global_shape]
         if self.layout.replicated:
             dims = ["@replicate"]

@@ -4,24 +4,77 @@ strategy, and the checks of a reshard_after_forward value and of what a quantize
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.nn as nn
+
+from .torch_version import at_least
+
+# torch 2.15 changed what ``reduce_dtype=None`` means (its MixedPrecisionPolicy docstring, "versionchanged"):
+# gradients follow the parameter's grad dtype (its original dtype) instead of ``param_dtype``
+REDUCE_IN_ORIG_DTYPE = at_least(2, 15)
 
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """Dtypes for the all-gather/compute (``param_dtype``), the gradient reduction
-    (``reduce_dtype``, default ``param_dtype``) and module outputs (``output_dtype``).
+    """Dtypes for the all-gather/compute (``param_dtype``), the gradient reduction (``reduce_dtype``)
+    and module outputs (``output_dtype``).
 
-    Same fields as torch's ``MixedPrecisionPolicy``; see design/mixed-precision.md.
+    Same fields as torch's ``MixedPrecisionPolicy`` (torch 2.15's keyword-only ``param_dtype_override_fn``
+    included); see design/mixed-precision.md. ``reduce_dtype=None`` follows the torch this runs on: the
+    parameters' compute dtype before torch 2.15, their original dtype from 2.15 (``default_reduce_dtype``).
+    ``param_dtype_override_fn(param)``, called once per managed parameter at ``fully_shard()``, returns
+    None or ``param_dtype`` (the policy's) or the parameter's own dtype (kept in that dtype, e.g. norms or
+    a router in fp32); anything else is torch's ``ValueError``.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    param_dtype_override_fn: Callable[[nn.Parameter], torch.dtype | None] | None = field(default=None, kw_only=True)
+
+    def param_dtype_of(self, param: nn.Parameter) -> torch.dtype | None:
+        """``param``'s all-gather/compute dtype under this policy (None: its own dtype), calling
+        ``param_dtype_override_fn`` once; torch 2.15's errors for a result it does not allow."""
+        if self.param_dtype_override_fn is None:
+            return self.param_dtype
+        override = self.param_dtype_override_fn(param)
+        if override is None:
+            return self.param_dtype
+        if not isinstance(override, torch.dtype):
+            raise ValueError(f"param_dtype_override_fn must return a torch.dtype or None but got {type(override)}")
+        if override not in (self.param_dtype, param.dtype):
+            raise ValueError("param_dtype_override_fn must return None, param_dtype, or the parameter's original "
+                             f"dtype but got {override} for a parameter with dtype {param.dtype} and param_dtype "
+                             f"{self.param_dtype}")
+        return override
+
+    def with_param_dtype(self, param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+        """One parameter's policy: this one, or with an override function, ``param_dtype`` (what it returned for
+        that parameter) and no function (what torch 2.15 hands a tensor subclass's pre-all-gather hook)."""
+        if self.param_dtype_override_fn is None:
+            return self
+        return replace(self, param_dtype=param_dtype, param_dtype_override_fn=None)
+
+    def _resolve_for_param(self, param: nn.Parameter) -> MixedPrecisionPolicy:
+        """torch 2.15's per-parameter policy (its ``fully_shard`` calls this on the policy it is given, so
+        this library's policy object works there too): ``param_dtype`` resolved, no override function."""
+        if self.param_dtype_override_fn is None:
+            return self
+        return self.with_param_dtype(self.param_dtype_of(param))
+
+
+def default_reduce_dtype(compute_dtypes: Iterable[torch.dtype], orig_dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """What one group's gradients are reduced in (and accumulated in without sync) under ``reduce_dtype=None``,
+    following the torch this runs on (README, "Differences"): from torch 2.15 the parameters' original dtypes,
+    before it their compute dtypes (``param_dtype``; a parameter ``param_dtype_override_fn`` keeps in its own
+    dtype adds that one), promoted to one dtype."""
+    return functools.reduce(torch.promote_types, orig_dtypes if REDUCE_IN_ORIG_DTYPE else compute_dtypes)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ See design/hooks.md ("Recovering from an exception") and design/streams.md ("Sev
 from __future__ import annotations
 
 from ..comm.streams import CommContext
+from . import finalize
 from .state import FSDPState, TrainingState, states_under
 
 
@@ -22,6 +23,7 @@ def reset_iter_state(state: FSDPState) -> None:
         raise RuntimeError(f"reset_iter_state must be called on the root FSDP module; "
                            f"{state.fqn or type(state.modules[0]).__name__!r} is not a root. "
                            "Fix: call it on the module the outermost fully_shard was applied to.")
+    finalize.reset(root)  # (raises, changing nothing, for a reduction another root owns)
     for st in root.states:
         for group in st.groups:
             group.reset()

@@ -53,6 +53,11 @@ class RootContext:
         self.order_frozen = False
         self.callback_queued = False
         self.reduce_callback_queued = False  # finish_reduces_callback (a backward inside a list unit's pass)
+        self.owner: FSDPState | None = None  # the root state (set at lazy init)
+        # manual backward finalization (finalize.py): the mode this backward iteration started with (None:
+        # no backward since the last finalization), and finalize_backward(async_op=True)'s handle until waited
+        self.manual_active: bool | None = None
+        self.pending_reduction: Any = None
 
 
 class FSDPState:
@@ -76,6 +81,7 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None  # explicit; None means implicit
         self.backward_prefetch: list[FSDPState] | None = None
         self.is_last_backward = True
+        self.manual_finalization = False  # set_manual_backward_finalization (read on the root; finalize.py)
         self.shared_comm: CommContext | None = None  # share_comm_ctx before lazy init (roots.py)
         self._modules_to_run: set[nn.Module] = set()  # list unit: members still to run this pass
         self._awaits_post_backward = False  # this pass wrapped grad-requiring inputs in _PostBackward
@@ -101,7 +107,10 @@ class FSDPState:
         module = self.modules[0]
         found = list(states_under(module))
         check_not_meta(module)  # ranks made the same calls: checked at fully_shard() time (checks.py)
+        if any(state is not self and state.manual_finalization for _, state in found):
+            raise RuntimeError("set_manual_backward_finalization must be called on the root FSDP module")
         root = RootContext([state for _, state in found], self.device, self.shared_comm)
+        root.owner = self
         for fqn, state in found:
             state.root = root
             state.is_root = state is self
@@ -179,6 +188,8 @@ class FSDPState:
     def _start_pass(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._modules_to_run = set(self.modules)
         root = self._root
+        if root.pending_reduction is not None or root.comm.active_reduction is not None:
+            raise RuntimeError("The previous gradient reduction must be waited on before forward")
         if self.is_root:
             self._root_pre_forward()
             args, kwargs = self._move_inputs_to_device(args, kwargs)
@@ -324,6 +335,8 @@ class FSDPState:
         root = self._root
         if not root.callback_queued:
             root.callback_queued = True
+            if root.manual_active is None:  # the mode this backward iteration runs in (finalize.py)
+                root.manual_active = root.owner.manual_finalization if root.owner is not None else False
             torch.autograd.Variable._execution_engine.queue_callback(self.root_final_callback)
 
     def _queue_reduce_callback(self) -> None:
@@ -377,11 +390,18 @@ class FSDPState:
         return value
 
     def root_final_callback(self) -> None:
-        """End of backward: reduce what no post-backward hook caught, reshard, finish reduces."""
+        """End of backward: reduce what no post-backward hook caught, reshard, finish reduces. Under manual
+        backward finalization (finalize.py) the groups with gradients still to reduce stay as they are,
+        and the reductions in flight are finished by ``finalize_backward``."""
         root = self._root
+        manual = bool(root.manual_active)
         for state in root.states:
-            self._reduce([g for g in state.groups if g.has_unsharded_grads()])
+            left = [g for g in state.groups if g.has_unsharded_grads()]
+            kept = [g for g in left if manual and g.reducer.requires_gradient_sync]  # finalize_backward's
+            self._reduce([g for g in left if g not in kept])
             for group in state.groups:
+                if group in kept:
+                    continue
                 # an all-gather a prefetch issued for a unit whose backward never ran: dropped whatever
                 # reshard_after_backward says (as torch), else the next forward would use it, gathered
                 # before the optimizer step, and the step would write shards its copy-in may still read
@@ -392,9 +412,11 @@ class FSDPState:
                     group.reducer.clear_used()
             state.training_state = TrainingState.IDLE
             state._modules_to_run = set()  # a list unit's pass some of whose members never ran
-        last = any(s.is_root and s.is_last_backward for s in root.states)  # else finished later
+        # else finished later (the next backward's end, or finalize_backward)
+        last = not manual and any(s.is_root and s.is_last_backward for s in root.states)
         if last:
             root.reduces.drain()
+            root.manual_active = None  # the backward iteration ended (its mode may change now)
         root.comm.end_backward(reduces_finished=last, step_ended=True)
         root.callback_queued = False
         root.order_frozen = True

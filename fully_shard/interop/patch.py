@@ -10,22 +10,15 @@ Call ``patch_torch()`` before the framework is imported: a module that already r
 ``from torch.distributed.fsdp import fully_shard`` holds torch's object in its own namespace (the
 torch modules in the table below that do so are rebound too).
 
-Names touched (each only where torch 2.13 defines it; module -> names):
+Names touched: the table ``REBINDINGS`` below, one record per torch module and the torch versions that
+bind those names there (``rebindings_for()`` picks the running torch's rows; design/compat.md prints it):
+``torch.distributed.fsdp`` and its ``_fully_shard`` package (the eight public FSDP2 names, plus
+``GradientReductionHandle`` from torch 2.15), the legacy ``torch.distributed._composable.fsdp`` path,
+and the names torch's pipelining binds at its import (``stage``: ``fully_shard`` before 2.15,
+``GradientReductionHandle`` from 2.15; ``schedules``).
 
-=====================================================  =============================================
-``torch.distributed.fsdp``                              fully_shard, FSDPModule, UnshardHandle,
-                                                        MixedPrecisionPolicy, OffloadPolicy,
-                                                        CPUOffloadPolicy, register_fsdp_forward_method,
-                                                        share_comm_ctx
-``torch.distributed.fsdp._fully_shard`` (package)       the same eight
-``torch.distributed._composable.fsdp``                  fully_shard, FSDPModule, MixedPrecisionPolicy,
-                                                        OffloadPolicy, CPUOffloadPolicy,
-                                                        register_fsdp_forward_method
-``torch.distributed._composable.fsdp.fully_shard``      fully_shard, FSDPModule, UnshardHandle,
-                                                        register_fsdp_forward_method
-``torch.distributed.pipelining.stage``                  fully_shard, FSDPModule (bound at its import)
-``torch.distributed.pipelining.schedules``              FSDPModule, UnshardHandle (bound at its import)
-=====================================================  =============================================
+While patched, this library's ``FSDPModule`` also has torch's private ``_get_fsdp_state()`` (torchtitan's torchft
+path sets ``_fsdp_param_groups[i]._all_reduce_hook`` through it; removed again by ``unpatch_torch()``).
 
 Left alone on purpose (design/compat.md has the reasons): torch's implementation modules
 (``_fully_shard._fully_shard``, ``_fsdp_api``, ``_fsdp_common``, ``_fsdp_init``, ``_fsdp_param_group``,
@@ -47,33 +40,72 @@ import importlib
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..core import api
+from ..core.finalize import GradientReductionHandle
 from ..core.group import ParamGroup
 from ..core.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from ..core.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..core.state import FSDPState, get_state
+from ..core.torch_version import TORCH_VERSION, Version
 from ..parallel.mesh import MeshInfo
 
-__all__ = ["GroupView", "MeshInfoView", "StateView", "fully_shard", "is_patched", "patch_torch", "patched_names",
-           "unpatch_torch"]
+__all__ = ["REBINDINGS", "TARGETS", "GroupView", "MeshInfoView", "Rebinding", "StateView", "fully_shard", "is_patched",
+           "patch_torch", "patched_names", "rebindings_for", "unpatch_torch"]
+
+@dataclass(frozen=True)
+class Rebinding:
+    """Names one torch module binds to torch's FSDP objects on torch ``since`` <= version < ``until``
+    (None: no upper bound), and that ``patch_torch()`` rebinds there to this library's."""
+
+    module: str
+    names: tuple[str, ...]
+    since: Version = (2, 10)
+    until: Version | None = None
+
+    def applies(self, version: Version) -> bool:
+        return self.since <= version and (self.until is None or version < self.until)
+
 
 _PUBLIC = ("fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
            "CPUOffloadPolicy", "register_fsdp_forward_method", "share_comm_ctx")
-TARGETS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("torch.distributed.fsdp", _PUBLIC),
-    ("torch.distributed.fsdp._fully_shard", _PUBLIC),
-    ("torch.distributed._composable.fsdp", ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-                                            "CPUOffloadPolicy", "register_fsdp_forward_method")),
-    ("torch.distributed._composable.fsdp.fully_shard", ("fully_shard", "FSDPModule", "UnshardHandle",
-                                                        "register_fsdp_forward_method")),
-    ("torch.distributed.pipelining.stage", ("fully_shard", "FSDPModule")),
-    ("torch.distributed.pipelining.schedules", ("FSDPModule", "UnshardHandle")),
+_FSDP = "torch.distributed.fsdp"
+_PACKAGE = "torch.distributed.fsdp._fully_shard"
+_STAGE = "torch.distributed.pipelining.stage"
+REBINDINGS: tuple[Rebinding, ...] = (
+    Rebinding(_FSDP, _PUBLIC),
+    Rebinding(_FSDP, ("GradientReductionHandle",), since=(2, 15)),
+    Rebinding(_PACKAGE, _PUBLIC),
+    Rebinding(_PACKAGE, ("GradientReductionHandle",), since=(2, 15)),
+    Rebinding("torch.distributed._composable.fsdp", ("fully_shard", "FSDPModule", "MixedPrecisionPolicy",
+                                                     "OffloadPolicy", "CPUOffloadPolicy",
+                                                     "register_fsdp_forward_method")),
+    Rebinding("torch.distributed._composable.fsdp.fully_shard", ("fully_shard", "FSDPModule", "UnshardHandle",
+                                                                 "register_fsdp_forward_method")),
+    Rebinding(_STAGE, ("FSDPModule",)),
+    Rebinding(_STAGE, ("fully_shard",), until=(2, 15)),  # 2.15's stage calls finalize_backward instead
+    Rebinding(_STAGE, ("GradientReductionHandle",), since=(2, 15)),
+    Rebinding("torch.distributed.pipelining.schedules", ("FSDPModule", "UnshardHandle")),
 )
+
+
+def rebindings_for(version: Version = TORCH_VERSION,
+                   table: tuple[Rebinding, ...] = REBINDINGS) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``(module, names)`` per torch module, in the table's order: the rows of ``table`` that apply to
+    torch ``version`` (default the running one), merged by module."""
+    merged: dict[str, list[str]] = {}
+    for row in table:
+        if row.applies(version):
+            merged.setdefault(row.module, []).extend(n for n in row.names if n not in merged.get(row.module, ()))
+    return tuple((module, tuple(names)) for module, names in merged.items())
+
+
+TARGETS = rebindings_for()  # the running torch's
 
 _LOCK = threading.Lock()
 _SAVED: dict[tuple[str, str], object] = {}  # (module, name) -> torch's object, while patched
@@ -139,7 +171,8 @@ def _ours(name: str) -> object:
     ours: dict[str, object] = {
         "share_comm_ctx": share_comm_ctx, "fully_shard": fully_shard, "FSDPModule": FSDPModule,
         "UnshardHandle": UnshardHandle, "MixedPrecisionPolicy": MixedPrecisionPolicy, "OffloadPolicy": OffloadPolicy,
-        "CPUOffloadPolicy": CPUOffloadPolicy, "register_fsdp_forward_method": register_fsdp_forward_method}
+        "CPUOffloadPolicy": CPUOffloadPolicy, "register_fsdp_forward_method": register_fsdp_forward_method,
+        "GradientReductionHandle": GradientReductionHandle}
     return ours[name]
 
 
@@ -178,6 +211,7 @@ def patch_torch(*, fsdp1: bool = False) -> list[str]:
             _SAVED[(modname, name)] = vars(sys.modules[modname])[name]
         for modname, name in fresh:
             setattr(sys.modules[modname], name, _ours(name))
+        FSDPModule._get_fsdp_state = _get_fsdp_state  # type: ignore[attr-defined]  # (torchtitan's torchft path)
         return patched_names()
 
 
@@ -187,6 +221,8 @@ def unpatch_torch() -> None:
         for (modname, name), original in _SAVED.items():
             setattr(sys.modules[modname], name, original)
         _SAVED.clear()
+        if "_get_fsdp_state" in vars(FSDPModule):
+            del FSDPModule._get_fsdp_state  # type: ignore[attr-defined]
 
 
 def is_patched() -> bool:
@@ -243,6 +279,18 @@ class GroupView:
         reshard if ``reshard_after_backward``: what a post-backward hook does."""
         self._state.post_backward(only=self._group)
 
+    @property
+    def _all_reduce_hook(self) -> Callable[[Any], None] | None:
+        """torchtitan's torchft path sets torch's private ``FSDPParamGroup._all_reduce_hook`` per group:
+        this group's ``set_all_reduce_hook`` hook."""
+        return self._group.reducer.settings.all_reduce_hook
+
+    @_all_reduce_hook.setter
+    def _all_reduce_hook(self, hook: Callable[[Any], None] | None) -> None:
+        if hook is not None and not callable(hook):
+            raise TypeError(f"_all_reduce_hook expects a callable hook(tensor) or None, got {type(hook).__name__}")
+        self._group.reducer.settings.all_reduce_hook = hook
+
 
 class StateView:
     """torch's ``FSDPState`` as torch code reads it (``fully_shard.state(module)``)."""
@@ -279,6 +327,12 @@ class StateView:
             return
         owner = next((s for s in root.states if s.is_root), self._state)
         owner.root_final_callback()
+
+
+def _get_fsdp_state(module: FSDPModule) -> StateView:
+    """torch's private ``FSDPModule._get_fsdp_state()`` (torchtitan's torchft path reads the param groups
+    through it): our unit's view, while patched."""
+    return StateView(module._fsdp)
 
 
 class _StateContextView:

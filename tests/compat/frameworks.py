@@ -19,17 +19,31 @@ from fully_shard import compat
 
 
 @contextlib.contextmanager
-def fsdp1_class(variant: str) -> Generator[None, None, None]:
+def fsdp1_class(variant: str, *, cpu_device_id: bool = False) -> Generator[None, None, None]:
     """``variant`` "ours": torch's FSDP1 class is this library's for the duration (``patch_torch(fsdp1=True)``);
-    "torch": torch's own."""
+    "torch": torch's own. ``cpu_device_id``: torch's class as ``torch.distributed.fsdp.FullyShardedDataParallel``
+    takes ``device_id=None`` as the CPU device (torch's FSDP1 refuses ``None`` without a GPU; a framework passes
+    a CUDA index there on a GPU node). Ours is left as it is."""
     assert variant in ("ours", "torch") and not compat.is_patched()
+    import torch.distributed.fsdp as fsdp
+
+    torch_class = fsdp.FullyShardedDataParallel
     if variant == "ours":
         compat.patch_torch(fsdp1=True)
+    elif cpu_device_id:
+
+        class OnCpu(torch_class):  # type: ignore[misc, valid-type]
+            def __init__(self, module: torch.nn.Module, *args: Any, device_id: Any = None, **kwargs: Any) -> None:
+                super().__init__(module, *args, device_id=torch.device("cpu") if device_id is None else device_id,
+                                 **kwargs)
+
+        fsdp.FullyShardedDataParallel = OnCpu  # type: ignore[misc]
     try:
         yield
     finally:
         if variant == "ours":
             compat.unpatch_torch()
+        fsdp.FullyShardedDataParallel = torch_class  # type: ignore[misc]
 
 
 def reset_accelerate() -> None:

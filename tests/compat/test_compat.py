@@ -46,6 +46,42 @@ def _snapshot() -> dict[tuple[str, str], object]:
 
 
 # --- patch / unpatch bookkeeping (one process, no ranks) -------------------------------------------
+def _torch_fsdp_objects() -> dict[int, str]:
+    """id -> name of every object torch's FSDP2 package exports (its public names and policies)."""
+    import torch.distributed.fsdp._fully_shard as package
+
+    return {id(v): n for n, v in vars(package).items() if not n.startswith("_") and not isinstance(v, type(sys))}
+
+
+# Bound by torch's modules but left to torch on purpose (design/compat.md, "Left alone"): plain records
+# torch's fully_shard reads, and the memory tracker that wraps torch's own param groups.
+_LEFT_ALONE = {("torch.distributed.fsdp", "DataParallelMeshDims"),
+               ("torch.distributed.fsdp._fully_shard", "DataParallelMeshDims")}
+
+
+def test_rebinding_table_is_exactly_what_this_torch_binds() -> None:
+    """compat's table for the running torch (``compat.TARGETS``) names every FSDP2 object torch's modules
+    bind, on this torch, and nothing they do not: e.g. pipelining's stage binds ``fully_shard`` before
+    torch 2.15 and ``GradientReductionHandle`` from 2.15."""
+    objects = _torch_fsdp_objects()
+    bound = set()
+    for modname, _ in compat.TARGETS:
+        mod = importlib.import_module(modname)
+        bound |= {(modname, n) for n, v in vars(mod).items() if id(v) in objects and not n.startswith("_")}
+    table = {(modname, n) for modname, names in compat.TARGETS for n in names}
+    assert table == bound - _LEFT_ALONE, {"missing": sorted(bound - _LEFT_ALONE - table),
+                                          "extra": sorted(table - bound)}
+    stage = "torch.distributed.pipelining.stage"
+    if compat.TORCH_VERSION >= (2, 15):
+        assert (stage, "fully_shard") not in table and (stage, "GradientReductionHandle") in table
+        assert ("torch.distributed.fsdp", "GradientReductionHandle") in table
+    else:
+        assert (stage, "fully_shard") in table and not any(n == "GradientReductionHandle" for _, n in table)
+    # the table's rows per version: 2.13's and 2.15's
+    for version, count in (((2, 13), 30), ((2, 15), 32)):
+        assert sum(len(names) for _, names in compat.rebindings_for(version)) == count, version
+
+
 def test_patch_rebinds_every_name_and_unpatch_restores_exactly() -> None:
     import torch.distributed._composable.fsdp as legacy
     import torch.distributed.fsdp as tfsdp
@@ -58,6 +94,7 @@ def test_patch_rebinds_every_name_and_unpatch_restores_exactly() -> None:
         names = compat.patch_torch()
         assert compat.patch_torch() == names  # idempotent: the second call changes nothing
         assert len(names) == len(before) >= 20, names
+        assert sorted(names) == sorted(f"{m}.{n}" for m, ns in compat.TARGETS for n in ns)
         assert tfsdp.fully_shard is compat.fully_shard and legacy.fully_shard is compat.fully_shard
         assert tfsdp.FSDPModule is ours.FSDPModule and legacy.FSDPModule is ours.FSDPModule
         assert tfsdp.MixedPrecisionPolicy is ours.MixedPrecisionPolicy
@@ -65,7 +102,12 @@ def test_patch_rebinds_every_name_and_unpatch_restores_exactly() -> None:
         assert tfsdp.UnshardHandle is ours.UnshardHandle
         assert tfsdp.register_fsdp_forward_method is ours.register_fsdp_forward_method
         assert tfsdp.share_comm_ctx is ours.share_comm_ctx
-        assert stage.FSDPModule is ours.FSDPModule and stage.fully_shard is compat.fully_shard
+        assert stage.FSDPModule is ours.FSDPModule
+        if "fully_shard" in dict(compat.TARGETS)["torch.distributed.pipelining.stage"]:  # before torch 2.15
+            assert stage.fully_shard is compat.fully_shard
+        if compat.TORCH_VERSION >= (2, 15):
+            assert tfsdp.GradientReductionHandle is ours.GradientReductionHandle
+            assert stage.GradientReductionHandle is ours.GradientReductionHandle
         assert schedules.FSDPModule is ours.FSDPModule and schedules.UnshardHandle is ours.UnshardHandle
         from torch.distributed.fsdp import fully_shard as imported  # a framework's import after patching
 
@@ -91,7 +133,7 @@ import torch.distributed._composable.fsdp as legacy
 import torch.distributed.pipelining.schedules as schedules
 import torch.distributed.pipelining.stage as stage
 from torch.distributed.fsdp._fully_shard import _fully_shard as impl
-assert stage.FSDPModule is impl.FSDPModule and stage.fully_shard is impl.fully_shard, stage.FSDPModule
+assert stage.FSDPModule is impl.FSDPModule and getattr(stage, "fully_shard", impl.fully_shard) is impl.fully_shard
 assert schedules.FSDPModule is impl.FSDPModule and schedules.UnshardHandle is impl.UnshardHandle
 assert legacy.FSDPModule is impl.FSDPModule and legacy.fully_shard is impl.fully_shard
 print("restored")
@@ -296,3 +338,59 @@ def test_hsdp_through_dp_mesh_dims_matches_torch() -> None:
     _hsdp_dp_mesh_dims()
     if TORCH_NO_DP_DIMS:
         pytest.skip(TORCH_NO_DP_DIMS)
+
+
+# --- torchtitan's torchft path: the replica all-reduce hook set through torch's private names ----------------
+def _titan_ft_hook(model: nn.Module, hook: Any) -> None:
+    """What torchtitan's experiments/torchft ``maybe_set_all_reduce_hook`` does on every unit."""
+    from torch.distributed._composable.fsdp.fully_shard import FSDPModule
+
+    def apply(m: nn.Module) -> None:
+        if isinstance(m, FSDPModule):
+            for param_group in m._get_fsdp_state()._fsdp_param_groups:
+                param_group._all_reduce_hook = hook
+
+    model.apply(apply)
+
+
+@distributed(world_size=2)
+def test_torchtitan_ft_hook_path_runs_our_units_as_torch_runs_its_own() -> dict[str, float]:
+    torch.manual_seed(0)
+    ref = Decoder()
+    theirs = copy.deepcopy(ref)
+    shard_torch = _torch_fully_shard()
+    for blk in theirs.blocks:
+        shard_torch(blk)
+    shard_torch([theirs.norm, theirs.head])
+    shard_torch(theirs)
+    calls = {"ours": 0, "torch": 0}
+
+    def hook_for(lib: str) -> Any:
+        def hook(shard: torch.Tensor) -> None:  # stands for the replica all-reduce: observable, in place
+            calls[lib] += 1
+            shard.mul_(2)
+        return hook
+
+    _titan_ft_hook(theirs, hook_for("torch"))
+    compat.patch_torch()
+    try:
+        model = _framework_shard(copy.deepcopy(ref), group_raf=True)
+        _titan_ft_hook(model, hook_for("ours"))
+        group = model.blocks[0]._get_fsdp_state()._fsdp_param_groups[0]
+        assert group._all_reduce_hook is model.blocks[0]._fsdp.groups[0].reducer.settings.all_reduce_hook
+        with pytest.raises(TypeError, match="callable"):
+            group._all_reduce_hook = 3
+        x, y = tokens(4, seed=3)
+        got = {}
+        for lib, m in (("ours", model), ("torch", theirs)):
+            (ce_sum(m(rank_rows(x)), rank_rows(y)) / rank_rows(y).numel()).backward()
+            got[lib] = grads(m)
+    finally:
+        compat.unpatch_torch()
+    assert not hasattr(model, "_get_fsdp_state")  # torch's private method only while patched
+    want = {n: None if g is None else 2 * g
+            for n, g in reference_grads(ref, ce_sum(ref(x), y) / rank_rows(y).numel()).items()}
+    worst = {"torch": max_diff(got["ours"], got["torch"]), "ref": max_diff(got["ours"], want)}
+    assert calls["ours"] == calls["torch"] > 0, calls
+    assert max(worst.values()) < TOL, worst
+    return worst

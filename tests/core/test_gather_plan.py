@@ -110,3 +110,69 @@ def test_set_custom_all_gather_after_a_step_takes_effect() -> None:
     next unshard on (the plan is built again)."""
     for rank, r in enumerate(_custom_all_gather_after_a_step()):
         assert r["allocated"] >= 1 and r["called"] >= 1 and r["same"], (rank, r)
+
+
+class _Mixed(nn.Module):
+    """A bf16 unit keeping its norm and a 0-dim scale in fp32 (param_dtype_override_fn): 5 rows, padded on
+    rank 1; the 0-dim scale is staged (one slot per rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 5)
+        self.norm = nn.LayerNorm(5)
+        self.scale = nn.Parameter(torch.tensor(0.75))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x).float()) * self.scale
+
+
+@distributed(world_size=2)
+def _bytes_unshard() -> dict[str, Any]:
+    from fully_shard import MixedPrecisionPolicy
+    from fully_shard.core.gather_plan import GatherVariant
+
+    torch.manual_seed(0)
+    ref = _Mixed()
+    with torch.no_grad():
+        ref.norm.weight.uniform_(0.5, 1.5)  # (not all ones: a wrong byte offset would show)
+        ref.norm.bias.uniform_(-1, 1)
+    model = copy.deepcopy(ref)
+    norm_ids = {id(p) for p in model.norm.parameters()} | {id(model.scale)}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                  param_dtype_override_fn=lambda p: torch.float32 if id(p) in norm_ids else None)
+    fully_shard(model, mp_policy=policy)
+    model(torch.randn(3, 4)).sum().backward()  # lazy init, the plan built
+    group = get_state(model).group  # type: ignore[union-attr]
+    assert group is not None and group.gather_plan is not None
+    files: list[str] = []
+
+    def profile(frame: Any, event: str, _arg: Any) -> None:
+        if event == "call" and "/fully_shard/" in frame.f_code.co_filename:
+            files.append(frame.f_code.co_filename.rsplit("/fully_shard/", 1)[1] + ":" + frame.f_code.co_qualname)
+
+    sys.setprofile(profile)
+    try:
+        group.unshard()
+        group.wait_for_unshard()
+    finally:
+        sys.setprofile(None)
+    gathered = {n: (p.dtype, torch.equal(p.detach(), dict(ref.named_parameters())[n].detach().to(p.dtype)))
+                for n, p in model.named_parameters()}
+    nbytes = group.gather_plan.nbytes
+    group.reshard()
+    return {"variant": group.gather_plan.variant is GatherVariant.BYTES, "files": files, "gathered": gathered,
+            "nbytes": nbytes}
+
+
+def test_a_unit_of_several_dtypes_gathers_bytes() -> None:
+    """param_dtype_override_fn keeping a norm and a 0-dim scale in fp32 in a bf16 unit: the plan is built as
+    the bytes variant, an unshard calls no ShardedParam method, and every gathered parameter equals the
+    original cast to its own dtype (padding and the staged 0-dim slot included); the buffer is each padded
+    shard at its dtype: weight 3 rows x 4 + bias 3 at bf16, norm 3 + 3 and the scale at fp32, per rank."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for rank, r in enumerate(_bytes_unshard()):
+        assert r["variant"], (rank, r)
+        assert not [f for f in r["files"] if f.startswith("core/param.py")], (rank, r["files"])
+        assert r["gathered"] == {"lin.weight": (bf16, True), "lin.bias": (bf16, True), "norm.weight": (fp32, True),
+                                 "norm.bias": (fp32, True), "scale": (fp32, True)}, (rank, r["gathered"])
+        assert r["nbytes"] == 2 * ((12 + 3) * 2 + (3 + 3 + 1) * 4), (rank, r["nbytes"])

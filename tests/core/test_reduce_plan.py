@@ -4,6 +4,7 @@ Python work of one unit's post-backward it leaves (design/data-path.md, "Host wo
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -12,11 +13,16 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
+import fully_shard as fully_shard_package
 from fully_shard import FSDPModule, fully_shard
 from fully_shard.core.state import get_state
 from tests.distributed.harness import distributed
 
 Change = Callable[[FSDPModule], None]
+# Measured on torch 2.13, 2.14.1, 2.15.0 and 2.11.0 alike. ``Reducer._take_row`` is not counted: it runs in
+# gloo's thread when the all-reduce ends after its callback was chained, inline (here) when before, a race
+# (design/data-path.md).
+OUR_CALLS = 46
 
 
 def _model(mesh: Any = None) -> nn.Sequential:
@@ -124,31 +130,38 @@ def test_requires_all_reduce_changed_after_the_first_step_takes_effect() -> None
             assert value == (True, True), (rank, param, value)
 
 
+_PACKAGE = os.path.dirname(fully_shard_package.__file__) + os.sep
+
+
 @distributed(world_size=2)
-def _python_calls_of_a_post_backward() -> dict[str, list[int]]:
+def _python_calls_of_a_post_backward() -> dict[str, list[tuple[int, int]]]:
+    """Per phase of one unit's reduce, each call's (calls of this library's Python functions, calls of any
+    Python)."""
     model = _model()
     rank = torch.distributed.get_rank()
     _step(model, rank)  # the first step builds the plans
     state = get_state(model[1])
     assert state is not None
     reducer = state.groups[0].reducer
-    counts: dict[str, list[int]] = {"post_backward": [], "finish": []}
+    counts: dict[str, list[tuple[int, int]]] = {"post_backward": [], "finish": []}
 
     def counted(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            calls = 0
+            ours = every = 0
 
             def profile(frame: Any, event: str, arg: Any) -> None:
-                nonlocal calls
+                nonlocal ours, every
                 if event == "call":
-                    calls += 1
+                    every += 1
+                    code = frame.f_code
+                    ours += code.co_filename.startswith(_PACKAGE) and code.co_name != "_take_row"
 
             sys.setprofile(profile)
             try:
                 return original(*args, **kwargs)
             finally:
                 sys.setprofile(None)
-                counts[name].append(calls)
+                counts[name].append((ours, every))
 
         return call
 
@@ -166,9 +179,14 @@ def _python_calls_of_a_post_backward() -> dict[str, list[int]]:
 def test_post_backward_python_calls() -> None:
     """One unit's reduce on the planned path: its post-backward (reduce-scatter issue, the host's wait on
     CPU where the input exceeds the released bytes, reshard) and its finish (grads assigned), run later
-    where every rank agrees (ReduceQueue: here the end of backward). Python function calls (torch's
-    Dynamo-disable wrapper included): 55 on this model, 101 before the plan (reduce_ops, the copy-in's
-    layout checks, the grads' checks, the no_grad contexts, the collective's checks, per call)."""
+    where every rank agrees (ReduceQueue: here the end of backward). Calls of this library's own Python
+    functions, which this library decides, whatever torch does under them (all Python calls, torch's
+    Dynamo-disable wrapper included, move with torch's own code: see the printed figures; 101 before the
+    plan: reduce_ops, the copy-in's layout checks, the grads' checks, the no_grad contexts, the collective's
+    checks, per call). Bounded at the figure measured on torch 2.13, 2.14.1, 2.15.0 and 2.11.0 alike."""
     for rank, counts in enumerate(_python_calls_of_a_post_backward()):
         assert len(counts["post_backward"]) == 1 and len(counts["finish"]) == 1, (rank, counts)
-        assert counts["post_backward"][0] + counts["finish"][0] <= 55, (rank, counts)
+        (ours_pb, every_pb), (ours_fin, every_fin) = counts["post_backward"][0], counts["finish"][0]
+        print(f"rank {rank}: {ours_pb} + {ours_fin} calls of fully_shard's functions, {every_pb} + {every_fin} "
+              "Python calls in all (post-backward + finish)")
+        assert ours_pb + ours_fin <= OUR_CALLS, (rank, counts)

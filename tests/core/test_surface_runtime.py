@@ -17,7 +17,7 @@ from tests.core.common import local_slice
 from tests.core.test_surface import _AllGather, _build, _close, _double, _torch_fs, _train
 from tests.distributed.harness import distributed
 from tests.models import TinyGPT, batches, loss_fn
-from tests.torch_ref import lacks_method
+from tests.torch_ref import lacks_method, torch_version
 
 TORCH_NO_RESET = lacks_method("reset_iter_state")
 
@@ -219,8 +219,11 @@ def test_every_torch_fsdp_module_method_exists() -> None:
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
     names = {n for n in vars(TorchFSDPModule) if not n.startswith("_") and callable(getattr(TorchFSDPModule, n))}
     assert sorted(n for n in names if not hasattr(FSDPModule, n)) == []
-    newer = {"set_gradient_divide_factor", "reset_iter_state", "set_symm_mem_for_comm"}  # torch 2.13's
-    assert sorted(n for n in newer if not callable(getattr(FSDPModule, n, None))) == []
-    if not newer <= names:  # an older torch: its surface is covered, torch 2.13's is not listed here
-        pytest.skip(f"torch {torch.__version__}'s FSDPModule lacks {sorted(newer - names)} (torch 2.13's has): ours "
-                    "was compared with this torch's methods only")
+    newer = {(2, 13): {"set_gradient_divide_factor", "reset_iter_state", "set_symm_mem_for_comm"},
+             (2, 15): {"finalize_backward", "set_manual_backward_finalization", "set_keep_unsharded_storage"}}
+    assert sorted(n for ns in newer.values() for n in ns if not callable(getattr(FSDPModule, n, None))) == []
+    # torch from that version on has them (the table is right); ours has them on every torch
+    assert sorted(n for v, ns in newer.items() if torch_version >= v for n in ns - names) == []
+    if not newer[(2, 13)] <= names:  # an older torch: its surface is covered, torch 2.13's is not listed here
+        pytest.skip(f"torch {torch.__version__}'s FSDPModule lacks {sorted(newer[(2, 13)] - names)} (torch 2.13's "
+                    "has): ours was compared with this torch's methods only")

@@ -15,8 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2] / "fully_shard"
 
 # package -> layer; a module may import from its own package or a lower layer
-LAYERS = {"parallel": 0, "comm": 1, "core": 2, "optim": 3, "checkpoint": 4, "wrap": 5, "interop": 6, "tools": 6,
-          "": 7}  # "": fully_shard/__init__.py and the entry points beside it (compat.py, tune.py)
+LAYERS = {"parallel": 0, "comm": 1, "core": 2, "optim": 3, "checkpoint": 4, "ft": 4, "wrap": 5, "interop": 6,
+          "tools": 6, "": 7}  # "": fully_shard/__init__.py and the entry points beside it (compat.py, tune.py)
 # wrap/ sits above checkpoint/ and optim/: FSDP1's FullyShardedDataParallel (wrap/fsdp1/) gives its state dicts
 # and clip_grad_norm_ through them; interop/patch.py above wrap/ rebinds torch's FSDP1 class to it.
 
@@ -109,12 +109,16 @@ def test_the_layer_check_sees_a_violation() -> None:
 
 def test_import_fully_shard_loads_no_tools() -> None:
     code = ("import sys, fully_shard; print(sorted(m for m in sys.modules if m.startswith(("
-            "'fully_shard.tools', 'fully_shard.checkpoint', 'fully_shard.wrap', 'safetensors', 'xxhash'))))")
+            "'fully_shard.tools', 'fully_shard.checkpoint', 'fully_shard.wrap', 'fully_shard.ft', 'torchft', "
+            "'safetensors', 'xxhash'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
-    code = "import fully_shard; from fully_shard import checkpoint, profile, auto_wrap; print(checkpoint.__name__)"
+    # the lazy names load; fully_shard.ft itself never imports torchft (the manager is passed in)
+    code = ("import sys, fully_shard; from fully_shard import checkpoint, profile, auto_wrap, ft\n"
+            "from fully_shard.ft import fault_tolerant, StepSampler\n"
+            "print(checkpoint.__name__, ft.__name__, sorted(m for m in sys.modules if m.split('.')[0] == 'torchft'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "fully_shard.checkpoint", out.stdout
+    assert out.stdout.strip() == "fully_shard.checkpoint fully_shard.ft []", out.stdout
 
 
 def test_import_survives_moved_private_torch_names() -> None:

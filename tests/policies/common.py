@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from fully_shard import MixedPrecisionPolicy
 from fully_shard.comm.trace import EventKind, TraceEvent
+from fully_shard.core.policy import REDUCE_IN_ORIG_DTYPE
 from tests.core.common import global_mean as global_mean  # re-exported for the policy tests
 from tests.core.common import local_slice as local_slice
 from tests.core.common import max_param_diff, step_pair
@@ -80,8 +81,9 @@ class Emulator:
         return compute
 
     def reduce_dtype(self, fqn: str) -> torch.dtype:
+        """The unit's reduce dtype; unset: the masters' fp32 from torch 2.15, ``param_dtype`` before (policy.py)."""
         policy = self.policies[self._unit_of(fqn)]
-        return policy.reduce_dtype or policy.param_dtype or torch.float32
+        return policy.reduce_dtype or (None if REDUCE_IN_ORIG_DTYPE else policy.param_dtype) or torch.float32
 
     def grads(self, microbatches: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, torch.Tensor]:
         """``microbatches[r]``: rank r's (x, y) list; grads accumulate per rank in the reduce dtype,

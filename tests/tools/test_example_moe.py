@@ -8,7 +8,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.distributed.harness import distributed
+from tests.torch_ref import lacks_name
+
+TORCH_NO_PLACEMENT_RESULT = lacks_name("torch.distributed.fsdp._fully_shard._fsdp_common", "ShardPlacementResult")
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -24,8 +29,15 @@ def _example() -> Any:
 
 
 def test_moe_example_matches_torch_and_learns() -> None:
-    for runs in _example():
-        ours, theirs = runs["ours"], runs["torch"]
+    results = _example()
+    for runs in results:
+        ours = runs["ours"]
         assert len(ours) == 4 and ours[-1][0] < ours[0][0] - 0.5, ours  # it learns
+        if "torch" not in runs:  # torch 2.11: the example ran ours alone (its fully_shard has no per-param meshes)
+            continue
+        theirs = runs["torch"]
         for (loss, norm), (torch_loss, torch_norm) in zip(ours, theirs):
             assert abs(loss - torch_loss) < 1e-6 and abs(norm - torch_norm) < 1e-6, (ours, theirs)
+    if TORCH_NO_PLACEMENT_RESULT:
+        assert all("torch" not in runs for runs in results)
+        pytest.skip(TORCH_NO_PLACEMENT_RESULT)

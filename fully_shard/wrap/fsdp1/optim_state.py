@@ -11,9 +11,11 @@ checkpoint/state_dict.py's (one mechanism for both APIs).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -23,6 +25,7 @@ from ...checkpoint.state_dict import (
     torch_optimizer_state,
 )
 from ...checkpoint.views import describe, from_local_like, optimizer_params
+from ...comm import collectives
 from ...optim.originals import rebind_originals
 from .options import (
     FullOptimStateDictConfig,
@@ -91,6 +94,7 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
         osd = broadcast_optimizer_state(osd)  # rank 0 holds it; the other ranks get it one tensor at a time
     if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
         osd = _local_as_dtensors(model, optim, osd)
+    osd = _sharded_tensors_gathered(osd)
     out = torch_optimizer_state(model, optim, osd, strict=True)
     if load_directly:
         optim.load_state_dict(out)
@@ -112,3 +116,56 @@ def _local_as_dtensors(model: nn.Module, optim: torch.optim.Optimizer, osd: dict
                     out[name] = from_local_like(p, value.to(p.device), tuple(p.shape))
         state[fqn] = out
     return {**osd, "state": state}
+
+
+def _is_sharded_tensor(value: Any) -> bool:
+    """torch's legacy ``ShardedTensor`` (duck-typed: design/private-torch.md), as DCP's
+    ``load_sharded_optimizer_state_dict`` gives the optimizer's state (Lightning's FSDP1 resume path)."""
+    return callable(getattr(value, "local_shards", None)) and callable(getattr(value, "metadata", None))
+
+
+def _sharded_tensors_gathered(osd: dict[str, Any]) -> dict[str, Any]:
+    """Every ``ShardedTensor`` state value as the full tensor it shards (torch's FSDP1 gathers them too before
+    cutting this rank's shard). Collective on the default group, in sorted (FQN, name) order on every rank."""
+    state = osd.get("state", {})
+    found = sorted((fqn, name) for fqn, values in state.items() if isinstance(values, dict)
+                   for name, value in values.items() if _is_sharded_tensor(value))
+    if not found:
+        return osd
+    out = {fqn: dict(values) if isinstance(values, dict) else values for fqn, values in state.items()}
+    for fqn, name in found:
+        out[fqn][name] = _full_of(state[fqn][name], where=f"optimizer state {fqn!r} {name!r}")
+    return {**osd, "state": out}
+
+
+def _full_of(sharded: Any, *, where: str) -> torch.Tensor:
+    """The full tensor of one ``ShardedTensor``: every rank's local shards, flattened in metadata order and
+    padded to one length, all-gathered; each shard then copied to its offsets (exact: no arithmetic)."""
+    meta = sharded.metadata()
+    world, me = dist.get_world_size(), dist.get_rank()
+    ranks = [s.placement.rank() for s in meta.shards_metadata]
+    if any(r >= world for r in ranks):
+        raise ValueError(f"FSDP.optim_state_dict_to_load: {where} is a ShardedTensor placed on ranks {ranks}, "
+                         f"expected ranks of the default group (world size {world}). Fix: load it with dp_pg=None.")
+    local = {tuple(s.metadata.shard_offsets): s.tensor for s in sharded.local_shards()}
+    numels = [sum(math.prod(s.shard_sizes) for s, r in zip(meta.shards_metadata, ranks) if r == rank)
+              for rank in range(world)]
+    dtype = meta.tensor_properties.dtype
+    device = next(iter(local.values())).device if local else torch.device("cpu")
+    mine = [local[tuple(s.shard_offsets)].reshape(-1) for s, r in zip(meta.shards_metadata, ranks) if r == me]
+    buffer = torch.zeros(max(numels), dtype=dtype, device=device)
+    if mine:
+        torch.cat(mine, out=buffer[: numels[me]])
+    out = torch.empty(world * buffer.numel(), dtype=dtype, device=device)
+    group = dist.group.WORLD
+    assert group is not None  # initialized: get_world_size above
+    collectives.all_gather_into(out, buffer, group)
+    gathered = out.view(world, -1)
+    full = torch.empty(tuple(meta.size), dtype=dtype, device=device)
+    offsets = [0] * world
+    for s, r in zip(meta.shards_metadata, ranks):
+        n = math.prod(s.shard_sizes)
+        index = tuple(slice(o, o + k) for o, k in zip(s.shard_offsets, s.shard_sizes))
+        full[index] = gathered[r][offsets[r]: offsets[r] + n].view(tuple(s.shard_sizes))
+        offsets[r] += n
+    return full
