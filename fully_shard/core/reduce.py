@@ -62,7 +62,7 @@ def reduce_ops(settings: ReduceSettings, world: int, dtype: torch.dtype, *,
     (fp16, fp64: the overflow risk torch guards against) always SUM, the division split as
     ``pre * post = f`` around the collective (~sqrt(f) each), so neither NCCL's pre-multiplied AVG
     underflows nor gloo's sum-then-divide overflows. torch uses NCCL's ``PREMUL_SUM(1/f)`` for a set
-    factor, which gloo lacks; SUM + a division runs everywhere (README, differences)."""
+    factor, which gloo lacks; SUM + a division runs everywhere (docs/torch.md, differences)."""
     overflow_risk = dtype not in _NO_OVERFLOW_RISK
     if (settings.divide_factor is None and not settings.force_sum and not overflow_risk
             and collective_world in (None, world)):

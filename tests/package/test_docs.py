@@ -30,6 +30,7 @@ PATH = re.compile(r"(?<![\w./-])((?:[A-Za-z_][\w.-]*/)+[\w.-]*)")
 BARE_FILE = re.compile(r"(?<![\w./-])([A-Za-z_][\w-]*\.(?:py|md))\b")
 TICKED = re.compile(r"`([^`\n]+)`")
 DOTTED = re.compile(r"^([A-Za-z_]\w*)\.([A-Za-z_]\w*)(?:\(.*\))?$")
+LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")  # a Markdown link or image: [text](target), relative
 
 
 def documents() -> list[Path]:
@@ -185,6 +186,22 @@ def test_every_file_name_the_documents_name_exists() -> None:
     assert not missing, "file names in the documents that name no file:\n" + "\n".join(missing)
 
 
+def _broken_links(doc: Path) -> Iterator[str]:
+    """Markdown links (``[docs/ft.md](docs/ft.md)``, ``![..](../benchmarks/results/tune.png)``) that resolve
+    to nothing, relative to the document's folder (as a renderer reads them); web addresses are not read."""
+    for where, line in _lines(doc):
+        for match in LINK.finditer(line):
+            target = match.group(1)
+            if "://" not in target and not target.startswith("mailto:") and not (doc.parent / target).exists():
+                yield f"{where}: ({target})"
+
+
+def test_every_link_in_the_documents_resolves() -> None:
+    """README.md's feature table and the guides in docs/ link one hop to each other: every link lands."""
+    broken = [m for doc in documents() for m in _broken_links(doc)]
+    assert not broken, "links in the documents that resolve to nothing:\n" + "\n".join(broken)
+
+
 def test_every_module_and_class_attribute_the_documents_name_exists() -> None:
     """``ReduceQueue.budgeted``, ``collectives.all_gather``: the class (or a base) or module defines it."""
     names = _Names()
@@ -244,3 +261,7 @@ def test_the_scans_see_what_they_look_for() -> None:
                      "x: `ReduceQueue.nope` (ReduceQueue has no 'nope')",
                      "x: `collectives.nope` (no module collectives.py defines 'nope')", "x: nope.md"], found
     assert "group.py" in _overview_map()["core"][0]
+    readme = REPO / "README.md"
+    assert list(_broken_links(readme)) == [], "README.md's links"
+    assert any(LINK.search(line) for _, line in _lines(readme)), "the link scan finds README.md's links"
+    assert LINK.findall("see [x](docs/nope.md#a) and ![p](../r.png)") == ["docs/nope.md", "../r.png"]
