@@ -122,7 +122,7 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
-# --- bytes per collective, at the dispatcher (comm.py --hsdp, scaling.py) ---------------------------
+# --- bytes per collective, at the dispatcher (traffic.py --hsdp, scaling.py) ---------------------------
 class AxisBytes(CollectiveWatch):
     """``with AxisBytes() as c: ...``: ``c.records`` holds (kind, process group name, buffer bytes) of every
     c10d collective issued in the block, seen at the dispatcher: the gathered bytes of an all-gather, the

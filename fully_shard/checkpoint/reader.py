@@ -1,6 +1,6 @@
 """checkpoint.load: open one generation, check everything, then copy; a failed load changes nothing.
 
-Phases (each runs inside ``comm.phase``, so bad input raises the same error on every rank):
+Phases (each runs inside ``control.phase``, so bad input raises the same error on every rank):
 1. opening: each rank opens the directory once and reads index.json (its digest checked first), matches
    the model and optimizer against it, plans its reads and opens every data file it needs through the
    directory's descriptor. The ranks agree on the index digest (one generation), the model structure,
@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from . import format as fmt
 from .boxes import Box, full_box, overlaps
 from .codec import ST_TO_TORCH, Encoded, decode, tensor_refs
-from .comm import Comm
+from .control import Control
 from .errors import CheckpointError, Signature, check_structure
 from .image import FileImage
 from .snapshot import Snapshot, Vanished
@@ -74,8 +74,8 @@ class _OptimLocal:
 class Loader:
     """Plans and runs one generation's reads: model tensors in place, side state into fresh memory."""
 
-    def __init__(self, comm: Comm, snapshot: Snapshot) -> None:
-        self.comm, self.snap, self.index = comm, snapshot, snapshot.index
+    def __init__(self, control: Control, snapshot: Snapshot) -> None:
+        self.control, self.snap, self.index = control, snapshot, snapshot.index
         self.model_reads: list[Read] = []
         self.side_reads: list[Read] = []  # optimizer state and blobs: fresh memory, read before the model
         self.optim_locals: dict[tuple[str, str], _OptimLocal] = {}
@@ -176,14 +176,14 @@ class Loader:
         index = self.index
         if index.extra_per_rank is None:
             return index.extra
-        if index.world_size == self.comm.world:
-            return index.extra_per_rank[self.comm.rank]
+        if index.world_size == self.control.world:
+            return index.extra_per_rank[self.control.rank]
         return index.extra
 
     def digest_share(self, namespaces: set[str]) -> set[str]:
         """The files this rank hashes: each used file by exactly one rank (its saving rank modulo W)."""
         used = {c.file for ns, _, e in self.index.all_tensors() if ns in namespaces for c in e.chunks}
-        return {n for n in used if self.index.files[n].rank % self.comm.world == self.comm.rank}
+        return {n for n in used if self.index.files[n].rank % self.control.world == self.control.rank}
 
     def check_files(self, reads: Sequence[Read] = ()) -> None:
         """Every opened file's header and records; the digests of this rank's share. The files in ``whole``
@@ -254,20 +254,21 @@ class Loader:
 
     def extra(self) -> Any:
         index = self.index
-        if index.extra_per_rank is not None and index.world_size != self.comm.world:
+        if index.extra_per_rank is not None and index.world_size != self.control.world:
             warnings.warn(f"checkpoint {self.snap.path}: `extra` differed between the {index.world_size} saving "
-                          f"ranks, and it is loaded on {self.comm.world} ranks: every rank gets rank 0's extra state",
+                          f"ranks, and it is loaded on {self.control.world} ranks: every rank gets rank 0's extra "
+                          "state",
                           stacklevel=4)
         return self.decode("extra", self.extra_tree())
 
 
-def _open(comm: Comm, path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool,
+def _open(control: Control, path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool,
           verify: bool) -> Loader:
     """Phase 1 on this rank: one generation opened, matched and planned (retried if it vanished)."""
     for attempt in range(_OPEN_ATTEMPTS):
         snapshot = Snapshot(path)
         try:
-            loader = Loader(comm, snapshot)
+            loader = Loader(control, snapshot)
             loader.plan_model(model, strict)
             if optimizer is not None:
                 loader.plan_optimizer(model, optimizer, strict)
@@ -301,25 +302,25 @@ def load(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.
     timedelta, default 5 minutes) bounds how long a rank waits for the others at each phase.
     """
     wait_pending()
-    comm = Comm(timeout)
+    control = Control(timeout)
     path = os.path.abspath(os.fspath(path))
     what = f"checkpoint.load({path!r})"
     facts: dict[str, Any] = {"optimizer passed": optimizer is not None, "strict, verify": [strict, verify]}
     loader: Loader | None = None
     try:
-        with comm.phase(f"{what}: opening", facts=facts):
-            loader = _open(comm, path, model, optimizer, strict, verify)
+        with control.phase(f"{what}: opening", facts=facts):
+            loader = _open(control, path, model, optimizer, strict, verify)
             facts["index digest (generation)"] = loader.index.digest
             facts["model structure"] = {k: [d, list(s)] for k, (d, s) in sorted(loader.structure.items())}
         prepared: dict[str, Any] | None = None
-        with comm.phase(f"{what}: verifying files, decoding optimizer state and extra"):
+        with control.phase(f"{what}: verifying files, decoding optimizer state and extra"):
             loader.check_files(loader.model_reads + loader.side_reads)
             loader.run(loader.side_reads)
             if optimizer is not None and loader.index.optimizer is not None:
                 prepared = torch_optimizer_state(model, optimizer, loader.optimizer_state_dict(), strict,
                                                  loader.index.optimizer.sharded, copy=False)
             result = loader.extra()
-        with comm.phase(f"{what}: reading the model and loading the optimizer state (after every check passed: "
+        with control.phase(f"{what}: reading the model and loading the optimizer state (after every check passed: "
                         "only an I/O error can fail here, and it can leave the model partially loaded)"):
             loader.run(loader.model_reads)
             if optimizer is not None and prepared is not None:

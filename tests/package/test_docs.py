@@ -21,7 +21,7 @@ PACKAGE = REPO / "fully_shard"
 TOP = ("fully_shard", "tests", "benchmarks", "examples", "design", "docs")
 SUBPACKAGES = tuple(sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()))
 # names the documents use for a variable, not for the module of that name: an nn.Module, a DeviceMesh,
-# a Comm object, the fully_shard function (``fully_shard.state``)
+# a custom collective, the fully_shard function (``fully_shard.state``)
 VARIABLES = {"module", "mesh", "comm", "fully_shard"}
 # file names that are not ours: a user's training script in a launch command
 NOT_OURS = {"train.py"}

@@ -22,7 +22,8 @@ COLLECTIVES = {
 # design/overview.md: the runtime's collectives live in comm/; the checkpoint package (its control plane with its
 # own gloo group and deadlines; save_hf's point-to-point assembly of whole tensors) and the tools' measurements
 # call torch.distributed themselves
-COLLECTIVE_HOMES = ("comm/", "checkpoint/comm.py", "checkpoint/hf_save.py", "tools/timing.py", "tools/tune/worker.py")
+COLLECTIVE_HOMES = ("comm/", "checkpoint/control.py", "checkpoint/hf_save.py", "tools/timing.py",
+                    "tools/tune/worker.py")
 # design/streams.md: the core orders streams only through CommContext's verbs
 STREAM_CALLS = {"wait_stream", "record_event", "wait_event", "stream", "current_stream", "on", "synchronize"}
 

@@ -309,7 +309,7 @@ def _two_groups() -> dict[str, Any]:
         _mean_loss(model, local(x), local(y)).backward()
     rows = sorted(u["unit"] for u in prof.units())
     model.zero_grad()
-    # beyond torch (which raises on several groups): custom comms and the all-reduce hook on two-group units
+    # beyond torch (which raises on several groups): custom collectives and the all-reduce hook on two-group units
     from tests.core.test_surface import _AllGather, _ReduceScatter
 
     model.layers[0].set_gradient_divide_factor(4.0)  # back to the default division for every group
