@@ -23,8 +23,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from examples.train_gpt import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402, F401
 from fully_shard import MixedPrecisionPolicy, fully_shard  # noqa: E402
-from fully_shard.tools.collectives import KINDS, CollectiveWatch  # noqa: E402
 from fully_shard.tools.timing import synchronize, timed_step  # noqa: E402, F401
+from fully_shard.tools.watch import KINDS, CollectiveWatch  # noqa: E402
 
 VARIANTS = ("ours", "torch", "ddp")  # this library, torch's fully_shard, DistributedDataParallel
 
@@ -122,7 +122,7 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
-# --- bytes per collective, at the dispatcher (comm.py --hsdp, scaling.py) ---------------------------
+# --- bytes per collective, at the dispatcher (traffic.py --hsdp, scaling.py) ---------------------------
 class AxisBytes(CollectiveWatch):
     """``with AxisBytes() as c: ...``: ``c.records`` holds (kind, process group name, buffer bytes) of every
     c10d collective issued in the block, seen at the dispatcher: the gathered bytes of an all-gather, the

@@ -2,9 +2,10 @@
 
     python benchmarks/hsdp_experts.py [--steps 3]      # launches its own 8 gloo ranks (torchrun)
 
-The tiny MoE model of tests/parallel/moe_common.py, its experts Shard(0) DTensors on ``ep``, sharded with
-this library's and torch's fully_shard (torchtitan's shard_placement_fn: experts on the 2-D
-(dp_replicate, efsdp) mesh -> HSDP, the rest on dp), side by side with one unsharded copy on the global
+The tiny MoE model of tests/parallel/moe_common.py (the parity setup: tests/parallel/moe_parity.py), its
+experts Shard(0) DTensors on ``ep``, sharded with this library's and torch's fully_shard (torchtitan's
+shard_placement_fn: experts on the 2-D (dp_replicate, efsdp) mesh -> HSDP, the rest on dp), side by side with
+one unsharded copy on the global
 batch. Checks: placements and mesh names equal torch's; with the default divisor our gradients equal
 the unsharded model's while torch's expert gradients are ep times larger (pytorch #160285); with factor
 1.0 and a global-token loss the losses equal torch's step by step. Exits non-zero when a check fails.
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from _common import launch_if_needed, rank0_print  # (puts the repository root on sys.path)
 
-from tests.parallel import test_experts as T
+from tests.parallel import moe_parity as P
 
 
 def main() -> int:
@@ -34,19 +35,19 @@ def main() -> int:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    base, ours, theirs, _, _ = T._setup(experts=4, efsdp=2, ep=2, replicate=2)
-    layout, torch_layout = T._layout(ours), T._layout(theirs)
+    base, ours, theirs, _, _ = P.setup(experts=4, efsdp=2, ep=2, replicate=2)
+    layout, torch_layout = P.layout(ours), P.layout(theirs)
     w1 = layout["layers.0.experts.w1"]
     rank0_print(f"layers.0.experts.w1: {w1[0]} on {w1[2]}")
     checks = {"placements equal torch's": layout == torch_layout,
               "experts on (dp_replicate, efsdp, ep)": w1[2] == ("dp_replicate", "efsdp", "ep")}
-    r = T._default_divisor(base, ours, theirs, ep=2)
+    r = P.default_divisor(base, ours, theirs, ep=2)
     rank0_print(f"default divisor: ours vs unsharded {r['grad_vs_ref']:.2e}; torch / ep vs unsharded "
                 f"{r['torch_vs_ref_times_ep']:.2e}; norm ours {r['norm'][0]:.6f} unsharded {r['norm'][1]:.6f}")
     checks["default divisor = unsharded"] = r["grad_vs_ref"] < 2e-5
     checks["torch experts ep x"] = r["torch_vs_ref_times_ep"] < 2e-5 and r["torch_vs_ref"] > 1e-3
     checks["clip norm = unsharded"] = abs(r["norm"][0] - r["norm"][1]) < 1e-4
-    losses = T._factor_one_steps(ours, theirs, base, steps=args.steps)
+    losses = P.factor_one_steps(ours, theirs, base, steps=args.steps)
     for i, (a, b, c) in enumerate(losses):
         rank0_print(f"step {i}: ours {a:.8f} torch {b:.8f} unsharded {c:.8f}")
     checks["losses = torch (factor 1.0)"] = all(abs(a - b) < 1e-6 and abs(a - c) < 2e-5 for a, b, c in losses)

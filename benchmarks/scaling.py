@@ -30,7 +30,7 @@ wall time per launch on this loaded machine, and the axes need ~50 launches per 
   (``fully_shard.tools.memory``).
 
 Bytes are the collectives' buffer sizes (the gathered output of an all-gather, the input of a
-reduce-scatter, the tensor of an all-reduce) per rank and step, the convention of ``comm.py`` and the
+reduce-scatter, the tensor of an all-reduce) per rank and step, the convention of ``traffic.py`` and the
 profiler. Results: ``benchmarks/results/scaling.{txt,json}`` and one plot per axis
 (``results/scaling_<axis>.png``, when matplotlib is importable: the ``tools`` extra).
 """

@@ -8,6 +8,13 @@ built once and copied into each variant; every step runs each variant once, in a
 machine noise hits them alike. A step's time is the slowest rank's, from a barrier to the end of
 ``optimizer.step()``. Also measures the profiler's overhead: the "ours + profiler" variant is the same
 setup with ``fully_shard.profile`` recording. Prints medians and ratios; ``--json`` saves them.
+
+    python benchmarks/step.py --profile --warmup 2 --steps 6
+
+``--profile``: where this library's step time goes instead: ``--warmup`` steps, then ``--steps`` profiled
+steps of the "ours" variant (the first one left out of the table); prints rank 0's per-unit table (each
+all-gather and reduce-scatter's time from issue to done and the part the host waited for), the step's
+exposed communication and the share of the step with a collective in flight.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--bf16", action="store_true", help="bf16 params for the FSDP variants, autocast for DDP")
     ap.add_argument("--variants", default="ours,ours+profiler,torch,ddp")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--profile", action="store_true", help="print the profiler's per-unit table of ours instead")
     return ap.parse_args()
 
 
@@ -80,6 +88,27 @@ def make_step(name: str, model: nn.Module, opt: torch.optim.Optimizer, x: torch.
     return profiled
 
 
+def profile_table(base: GPT, args: argparse.Namespace, device: torch.device) -> None:
+    """``--profile``: the profiler's per-unit table of this library's steps (rank 0 prints it)."""
+    rank = dist.get_rank()
+    model = wrap_variant(copy.deepcopy(base).to(device), "ours", bf16=args.bf16, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = model_config(args)
+
+    def step(i: int) -> None:
+        x, y = synthetic_batch(cfg, args.batch, i, rank, device=device)
+        train_step("ours", model, opt, x, y, bf16=args.bf16, device=device)
+
+    for i in range(args.warmup):
+        step(i)
+    with profile(model) as prof:
+        for i in range(args.steps):
+            step(args.warmup + i)
+            prof.step()
+    if rank == 0:
+        print(prof.table(skip_first=1))
+
+
 def main() -> None:
     args = parse_args()
     launch_if_needed(__file__, args.nproc)
@@ -88,6 +117,10 @@ def main() -> None:
     cfg = model_config(args)
     torch.manual_seed(0)
     base = GPT(cfg)
+    if args.profile:
+        profile_table(base, args, device)
+        dist.destroy_process_group()
+        return
     n_params = sum(p.numel() for p in base.parameters())
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     variants = build_variants(base, names, args.bf16, device)

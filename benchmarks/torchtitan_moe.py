@@ -46,8 +46,7 @@ def _run(rank: int, world: int, port: int, torchtitan_dir: str, out: Any) -> Non
     dist.init_process_group("gloo", rank=rank, world_size=world)
     sys.path.insert(0, str(Path(torchtitan_dir).parent))  # ``torchtitan.tools.logging`` for fsdp.py's logger
     from fully_shard import compat
-    from tests.compat.test_torchtitan_moe import VOCAB, Decoder
-    from tests.parallel.moe_common import TOKENS, expert_parallel, sparse_meshes
+    from tests.parallel.moe_common import TOKENS, VOCAB, Decoder, expert_parallel, sparse_meshes
 
     torch.manual_seed(0)
     base = Decoder(experts=4)

@@ -53,8 +53,8 @@ from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from fully_shard import fully_shard  # noqa: E402
-from fully_shard.tools.collectives import CollectiveWatch  # noqa: E402
 from fully_shard.tools.memory import current_memory, peak_memory, reset_peak_memory  # noqa: E402
+from fully_shard.tools.watch import CollectiveWatch  # noqa: E402
 from fully_shard.weights import Receiver, Sender, iter_full  # noqa: E402
 
 TRAINERS, RECEIVER = [0, 1], 2

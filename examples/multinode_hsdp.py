@@ -15,7 +15,7 @@ Each worker also checks that its shard group lies within its node and its replic
 nodes, and rank 0 reports the bytes per optimizer step on each mesh axis from ``fully_shard.profile``.
 
 On real nodes, every node runs the worker under the same torchrun command (node ranks come from the
-rendezvous; the mesh is (number of nodes, ranks per node), see README "Past one machine")::
+rendezvous; the mesh is (number of nodes, ranks per node), see docs/multi-node.md)::
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0.example:29500 \\
         --rdzv-id hsdp-run-1 examples/multinode_hsdp.py --worker --report runs/hsdp

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from . import safetensors_io as sio
 from .boxes import full_box
 from .codec import ST_TO_TORCH
-from .comm import Comm
+from .control import Control
 from .reader import Loader, Read
 from .snapshot import Snapshot
 
@@ -58,7 +58,7 @@ def consolidate(path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *
     snapshot = Snapshot(path)
     try:
         index = snapshot.index
-        loader = Loader(Comm.single(), snapshot)
+        loader = Loader(Control.single(), snapshot)
         model_files = loader.digest_share({"model"})
         loader.digests = model_files if verify else set()
         snapshot.open(model_files)

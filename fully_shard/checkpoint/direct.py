@@ -35,7 +35,7 @@ DEPTH = 4
 
 
 _readers: tuple[int, ThreadPoolExecutor] | None = None  # (pid, threads) of read_whole
-_readers_lock = threading.Lock()
+_readers_lock = threading.Lock()  # process-wide as _readers: one start of the reader threads per process
 
 
 def readers() -> ThreadPoolExecutor:

@@ -1,6 +1,6 @@
 """checkpoint.load_hf: read a Hugging Face ``save_pretrained`` directory into a sharded model, shard on read.
 
-Phases (each inside ``comm.phase``, so bad input raises the same error on every rank; see
+Phases (each inside ``control.phase``, so bad input raises the same error on every rank; see
 design/hf-interop.md):
 1. opening: each rank opens the directory once, reads ``model.safetensors.index.json`` (if any) and
    parses the headers of its share of the files (file i on rank i mod W); the ranks exchange the
@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from .boxes import Box, runs, slabs
 from .codec import ST_TO_TORCH
-from .comm import Comm
+from .control import Control
 from .direct import AlignedArena, as_tensor, open_direct, read_range
 from .errors import CheckpointError, format_diff, short
 from .hf_keys import COPY, STACK, TRANSPOSE, KeyMap, Link, RenameSpec
@@ -185,7 +185,9 @@ def scratch(sizes: tuple[int, ...], dtype: torch.dtype, arena: Arena) -> torch.T
     return arena.buf[:n].view(dtype).view(sizes)
 
 
-class _Plan:
+class _ReadPlan:
+    """Where each key of the directory lives (file, header) and how each rank's block is read from it."""
+
     def __init__(self, directory: HFDirectory, headers: dict[str, dict[str, list[Any]]]) -> None:
         self.dir = directory
         self.headers = headers
@@ -330,29 +332,29 @@ def load_hf(path: str | os.PathLike[str], model: nn.Module, *, key_map: KeyMap |
     """
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
-    comm = Comm(timeout)
+    control = Control(timeout)
     path = os.path.abspath(os.fspath(path))
     what = f"checkpoint.load_hf({path!r})"
     facts: dict[str, Any] = {"strict": strict}
     directory: HFDirectory | None = None
     try:
         mine: dict[str, dict[str, list[Any]]] = {}
-        with comm.phase(f"{what}: opening the directory and reading file headers", facts=facts):
+        with control.phase(f"{what}: opening the directory and reading file headers", facts=facts):
             directory = HFDirectory(path)
             facts["files"] = directory.files
             for i, name in enumerate(directory.files):
-                if i % comm.world == comm.rank:
+                if i % control.world == control.rank:
                     mine[name] = directory.parse(name)
         headers: dict[str, dict[str, list[Any]]] = {}
-        for part in comm.all_gather_json(mine, what):
+        for part in control.all_gather_json(mine, what):
             headers.update(part)
-        plan = _Plan(directory, headers)
+        plan = _ReadPlan(directory, headers)
         result = HFLoadResult([], [])
-        with comm.phase(f"{what}: matching the files to the model and planning reads", facts=facts):
+        with control.phase(f"{what}: matching the files to the model and planning reads", facts=facts):
             result = plan.plan(model, KeyMap.of(key_map), strict)
             facts["model structure"] = plan.structure
             plan.open_files()
-        with comm.phase(f"{what}: reading (after every check passed: only an I/O error can fail here, and it can "
+        with control.phase(f"{what}: reading (after every check passed: only an I/O error can fail here, and it can "
                         "leave the model partially loaded)"):
             plan.run(threads)
     finally:

@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .boxes import Box
-from .comm import Comm
 from .commit import new_nonce
+from .control import Control
 from .errors import CheckpointError
 from .hf_keys import COPY, STACK, TRANSPOSE, KeyMap, Link, RenameSpec
 from .hf_load import HF_INDEX, HF_SINGLE
@@ -178,7 +178,7 @@ def save_hf(path: str | os.PathLike[str], model: nn.Module, *, key_map: KeyMap |
     if sys.byteorder != "little":
         raise CheckpointError("save_hf writes little-endian safetensors and runs only on little-endian machines")
     limit = parse_size(max_shard_size)
-    comm = Comm(timeout)
+    control = Control(timeout)
     path = os.path.abspath(os.fspath(path))
     what = f"checkpoint.save_hf({path!r})"
     facts: dict[str, Any] = {"max_shard_size": limit, "dtype": str(dtype)}
@@ -188,7 +188,7 @@ def save_hf(path: str | os.PathLike[str], model: nn.Module, *, key_map: KeyMap |
         for w in writers.values():
             w.abandon()
 
-    with comm.phase(f"{what}: planning", facts=facts, on_error=cleanup):
+    with control.phase(f"{what}: planning", facts=facts, on_error=cleanup):
         if os.path.lexists(path) and (os.path.islink(path) or not os.path.isdir(path)):
             raise CheckpointError(f"{path} exists and is not a directory; fix: pass a directory (it is created)")
         views, _aliases = model_views(model)
@@ -206,20 +206,20 @@ def save_hf(path: str | os.PathLike[str], model: nn.Module, *, key_map: KeyMap |
                     out_dtype.setdefault(link.hf, dtype or by_name[name].local.dtype)
             g.nbytes = sum(Box((0,) * len(resolved.shapes[h]), resolved.shapes[h]).numel * out_dtype[h].itemsize
                            for h in g.hfs)
-        files = _pack(groups, limit, comm.world)
+        files = _pack(groups, limit, control.world)
         facts["files"] = [[f.name, f.owner, f.nbytes] for f in files]
-        if comm.rank == 0:
+        if control.rank == 0:
             os.makedirs(path, exist_ok=True)
-    nonce = comm.broadcast_json(new_nonce(), what=what)
-    roles = comm.all_gather_json(mesh_roles(views), what=what)
-    split_writes(views, roles, comm.rank)  # deterministic from the gathered roles: same outcome on every rank
-    boxes = comm.all_gather_json({v.name: None if v.write is None else [list(v.write.offsets), list(v.write.sizes)]
+    nonce = control.broadcast_json(new_nonce(), what=what)
+    roles = control.all_gather_json(mesh_roles(views), what=what)
+    split_writes(views, roles, control.rank)  # deterministic from the gathered roles: same outcome on every rank
+    boxes = control.all_gather_json({v.name: None if v.write is None else [list(v.write.offsets), list(v.write.sizes)]
                                   for v in views if v.sharded}, what=what)
     written: list[str] = []
-    with comm.phase(f"{what}: assembling and writing", on_error=cleanup):
+    with control.phase(f"{what}: assembling and writing", on_error=cleanup):
         error: BaseException | None = None
         for i, f in enumerate(files):
-            if f.owner == comm.rank:
+            if f.owner == control.rank:
                 try:
                     meta = {h: torch.empty(resolved.shapes[h], dtype=out_dtype[h], device="meta")
                             for g in f.groups for h in g.hfs}
@@ -230,10 +230,10 @@ def save_hf(path: str | os.PathLike[str], model: nn.Module, *, key_map: KeyMap |
             for g in f.groups:
                 full = {}
                 for name in g.models:
-                    got = _assemble(comm, by_name[name], f.owner, boxes)
+                    got = _assemble(control, by_name[name], f.owner, boxes)
                     if got is not None:
                         full[name] = got
-                if f.owner != comm.rank or error is not None:
+                if f.owner != control.rank or error is not None:
                     continue
                 try:
                     links_of: dict[str, list[Link]] = {}
@@ -249,22 +249,22 @@ def save_hf(path: str | os.PathLike[str], model: nn.Module, *, key_map: KeyMap |
                 w.finish()
         if error is not None:
             raise error
-    with comm.phase(f"{what}: committing", on_error=cleanup):
+    with control.phase(f"{what}: committing", on_error=cleanup):
         for w in writers.values():
             os.replace(w.tmp, w.final)
         writers.clear()
-        if comm.rank == 0:
+        if control.rank == 0:
             _commit_index(path, files)
         written = [f.name for f in files]
     return written
 
 
-def _assemble(comm: Comm, v: View, owner: int, boxes: list[dict[str, Any]]) -> torch.Tensor | None:
+def _assemble(control: Control, v: View, owner: int, boxes: list[dict[str, Any]]) -> torch.Tensor | None:
     """The whole tensor ``v`` on ``owner`` (None elsewhere): each rank sends the block it writes."""
     with torch.no_grad():
         if not v.sharded:
-            return v.local.detach().cpu() if comm.rank == owner else None
-        if comm.rank != owner:
+            return v.local.detach().cpu() if control.rank == owner else None
+        if control.rank != owner:
             if v.write is not None:
                 _wait(dist.isend(v.block(v.write).contiguous(), dst=owner))
             return None
@@ -275,7 +275,7 @@ def _assemble(comm: Comm, v: View, owner: int, boxes: list[dict[str, Any]]) -> t
             if b is None:
                 continue
             box = Box(tuple(b[0]), tuple(b[1]))
-            if r == comm.rank:
+            if r == control.rank:
                 full[box.slices()] = v.block(box).cpu()
                 continue
             buf = torch.empty(box.sizes, dtype=v.local.dtype, device=v.local.device)

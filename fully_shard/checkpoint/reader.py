@@ -1,6 +1,6 @@
 """checkpoint.load: open one generation, check everything, then copy (staged) or read straight in (in place).
 
-Phases (each runs inside ``comm.phase``, so bad input raises the same error on every rank):
+Phases (each runs inside ``control.phase``, so bad input raises the same error on every rank):
 1. opening: each rank opens the directory once and reads index.json (its digest checked first), matches
    the model and optimizer against it, plans its reads and opens every data file it needs through the
    directory's descriptor. The ranks agree on the index digest (one generation), the model structure,
@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from . import format as fmt
 from .boxes import Box, full_box, overlaps
 from .codec import ST_TO_TORCH, Encoded, decode, tensor_refs
-from .comm import Comm
+from .control import Control
 from .direct import POOL
 from .errors import CheckpointError, PartialLoadError, Signature, check_structure
 from .image import FileImage
@@ -109,8 +109,8 @@ def _reusable(current: Any, param: torch.Tensor, sharded: bool, dtype: torch.dty
 class Loader:
     """Plans and runs one generation's reads: into the model's and optimizer's tensors, side state into fresh memory."""
 
-    def __init__(self, comm: Comm, snapshot: Snapshot, mode: LoadMode = LoadMode.STAGED) -> None:
-        self.comm, self.snap, self.index, self.mode = comm, snapshot, snapshot.index, mode
+    def __init__(self, control: Control, snapshot: Snapshot, mode: LoadMode = LoadMode.STAGED) -> None:
+        self.control, self.snap, self.index, self.mode = control, snapshot, snapshot.index, mode
         self.model_reads: list[Read] = []
         self.optim_reads: list[Read] = []  # into optimizer state the optimizer already holds (phase 3)
         self.side_reads: list[Read] = []  # optimizer state it does not hold yet, and blobs: fresh memory (phase 2)
@@ -232,14 +232,14 @@ class Loader:
         index = self.index
         if index.extra_per_rank is None:
             return index.extra
-        if index.world_size == self.comm.world:
-            return index.extra_per_rank[self.comm.rank]
+        if index.world_size == self.control.world:
+            return index.extra_per_rank[self.control.rank]
         return index.extra
 
     def digest_share(self, namespaces: set[str]) -> set[str]:
         """The files this rank hashes: each used file by exactly one rank (its saving rank modulo W)."""
         used = {c.file for ns, _, e in self.index.all_tensors() if ns in namespaces for c in e.chunks}
-        return {n for n in used if self.index.files[n].rank % self.comm.world == self.comm.rank}
+        return {n for n in used if self.index.files[n].rank % self.control.world == self.control.rank}
 
     def check_files(self, reads: Sequence[Read] = ()) -> None:
         """Every opened file's header and records; the digests of this rank's share except those streamed
@@ -341,7 +341,7 @@ class Loader:
         staged = self.mode is LoadMode.STAGED
         w = self.ledger.written(lambda f: self.verify and (staged or f in self.verified))
         changed = len(w.whole) + len(w.partly)
-        lines = [str(error), f"  {self.mode}: on rank {self.comm.rank} this load had written into {changed} of the "
+        lines = [str(error), f"  {self.mode}: on rank {self.control.rank} this load had written into {changed} of the "
                  f"{len(self.ledger.need)} model/optimizer tensors it loads"
                  + (":" if changed else "; nothing on this rank was changed")]
         if changed:
@@ -360,7 +360,7 @@ class Loader:
                              "    `extra` was not returned")
         lines.append("  fix: load a checkpoint into this model again before training on (this one once its files "
                      "are restored, or an earlier one); LoadMode.STAGED changes nothing when content is bad")
-        return PartialLoadError("\n".join(lines), rank=self.comm.rank, whole=w.whole, partly=w.partly,
+        return PartialLoadError("\n".join(lines), rank=self.control.rank, whole=w.whole, partly=w.partly,
                                 untouched=w.untouched, unverified=w.unverified)
 
     def decode(self, where: str, tree: Encoded) -> Any:
@@ -386,9 +386,10 @@ class Loader:
 
     def extra(self) -> Any:
         index = self.index
-        if index.extra_per_rank is not None and index.world_size != self.comm.world:
+        if index.extra_per_rank is not None and index.world_size != self.control.world:
             warnings.warn(f"checkpoint {self.snap.path}: `extra` differed between the {index.world_size} saving "
-                          f"ranks, and it is loaded on {self.comm.world} ranks: every rank gets rank 0's extra state",
+                          f"ranks, and it is loaded on {self.control.world} ranks: every rank gets rank 0's extra "
+                          "state",
                           stacklevel=4)
         return self.decode("extra", self.extra_tree())
 
@@ -399,13 +400,13 @@ def _names(names: tuple[str, ...]) -> str:
                     else "")
 
 
-def _open(comm: Comm, path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool,
+def _open(control: Control, path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool,
           verify: bool, mode: LoadMode) -> Loader:
     """Phase 1 on this rank: one generation opened, matched and planned (retried if it vanished)."""
     for attempt in range(_OPEN_ATTEMPTS):
         snapshot = Snapshot(path)
         try:
-            loader = Loader(comm, snapshot, mode)
+            loader = Loader(control, snapshot, mode)
             loader.verify = verify
             loader.plan_model(model, strict)
             if optimizer is not None:
@@ -461,20 +462,20 @@ def load(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.
     """
     mode = _mode(mode)
     wait_pending()
-    comm = Comm(timeout)
+    control = Control(timeout)
     path = os.path.abspath(os.fspath(path))
     what = f"checkpoint.load({path!r})"
     facts: dict[str, Any] = {"optimizer passed": optimizer is not None,
                              "strict, verify, mode": [strict, verify, mode.value]}
     loader: Loader | None = None
     try:
-        with comm.phase(f"{what}: opening", facts=facts):
-            loader = _open(comm, path, model, optimizer, strict, verify, mode)
+        with control.phase(f"{what}: opening", facts=facts):
+            loader = _open(control, path, model, optimizer, strict, verify, mode)
             facts["index digest (generation)"] = loader.index.digest
             facts["model structure"] = {k: [d, list(s)] for k, (d, s) in sorted(loader.structure.items())}
         prepared: dict[str, Any] | None = None
         checks = "verifying files" if mode is LoadMode.STAGED else "checking file headers"
-        with comm.phase(f"{what}: {checks}, decoding optimizer state and extra"):
+        with control.phase(f"{what}: {checks}, decoding optimizer state and extra"):
             loader.check_files(loader.model_reads + loader.optim_reads + loader.side_reads)
             loader.run(loader.side_reads)
             if optimizer is not None and loader.index.optimizer is not None:
@@ -486,12 +487,12 @@ def load(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.
                    "an I/O error can fail here)" if staged else
                    "reading the model and optimizer state in place, verifying each file as it is read")
         try:
-            with comm.phase(f"{what}: {writing}"):
+            with control.phase(f"{what}: {writing}"):
                 loader.write(loader.model_reads + loader.optim_reads)
                 if staged and prepared is not None:  # every digest passed in the phase before
                     loader.load_optimizer(optimizer, prepared)
             if not staged and prepared is not None:  # only once every rank's digests passed
-                with comm.phase(f"{what}: loading the optimizer state"):
+                with control.phase(f"{what}: loading the optimizer state"):
                     loader.load_optimizer(optimizer, prepared)
         except CheckpointError as e:
             raise loader.partial(e, optimizer=optimizer is not None) from e

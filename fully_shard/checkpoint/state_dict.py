@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .codec import ST_TO_TORCH, Encoder, decode, st_dtype
-from .comm import Comm
+from .control import Control
 from .errors import CheckpointError, Signature, check_structure
 from .views import View, describe, ensure_sharded, group_hyper, optimizer_params, shard_like, state_is_sharded
 
@@ -49,7 +49,7 @@ def get_model_state_dict(model: nn.Module, *, full: bool = False, cpu_offload: b
     """
     if rank0_only and not full:
         raise ValueError("rank0_only=True needs full=True (a sharded state dict lives on every rank)")
-    keep = not rank0_only or Comm().rank == 0
+    keep = not rank0_only or Control().rank == 0
     ensure_sharded(model)
     out: dict[str, torch.Tensor] = {}
     done: dict[int, torch.Tensor] = {}
@@ -68,9 +68,9 @@ def _signature(tensor: torch.Tensor) -> Signature:
     return str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape)
 
 
-def _check_structure(comm: Comm, expected: dict[str, Signature], found: dict[str, Signature] | None, strict: bool,
+def _check_structure(control: Control, expected: dict[str, Signature], found: dict[str, Signature] | None, strict: bool,
                      what: str, check_dtype: bool) -> None:
-    with comm.phase(what):
+    with control.phase(what):
         if found is None:
             return
         if not check_dtype:
@@ -88,14 +88,15 @@ def set_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     ``full=True``: rank 0's dict of full tensors is broadcast one tensor at a time and each rank keeps its
     rows (other ranks may pass ``{}``). Collective for ``full=True``. Shapes must match; dtypes are cast.
     """
-    comm = Comm()
+    control = Control()
     ensure_sharded(model)
     targets = model.state_dict(keep_vars=True)
     expected = {k: _signature(v) for k, v in targets.items()}
-    source_rank0 = full and comm.world > 1
-    found = None if source_rank0 and comm.rank != 0 else {k: _signature(v) for k, v in state_dict.items()}
-    _check_structure(comm, expected, found, strict, "state dict", check_dtype=False)
-    present = comm.broadcast_json(sorted(state_dict) if comm.rank == 0 else None) if source_rank0 else list(state_dict)
+    source_rank0 = full and control.world > 1
+    found = None if source_rank0 and control.rank != 0 else {k: _signature(v) for k, v in state_dict.items()}
+    _check_structure(control, expected, found, strict, "state dict", check_dtype=False)
+    present = (control.broadcast_json(sorted(state_dict) if control.rank == 0 else None) if source_rank0
+               else list(state_dict))
     present_set = set(present)
     copied: set[int] = set()
     with torch.no_grad():
@@ -106,9 +107,9 @@ def set_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
             view = describe(fqn, target)
             if source_rank0:
                 buf = torch.empty(view.shape, dtype=target.dtype)
-                if comm.rank == 0:
+                if control.rank == 0:
                     buf.copy_(state_dict[fqn].detach())
-                comm.broadcast_tensor(buf)
+                control.broadcast_tensor(buf)
                 value: torch.Tensor = buf
             else:
                 value = state_dict[fqn]
@@ -134,7 +135,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
     """
     if rank0_only and not full:
         raise ValueError("rank0_only=True needs full=True (a sharded state dict lives on every rank)")
-    keep = not rank0_only or Comm().rank == 0
+    keep = not rank0_only or Control().rank == 0
     state: dict[str, dict[str, Any]] = {}
     groups = []
     for group, entries in zip(optimizer.param_groups, optimizer_params(model, optimizer)):
@@ -243,13 +244,13 @@ def torch_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, os
 def broadcast_optimizer_state(state_dict: OptimStateDict) -> OptimStateDict:
     """Rank 0's FQN-keyed optimizer state dict of plain full tensors on every rank (broadcast one tensor at
     a time; other ranks' ``state_dict`` is ignored). Collective."""
-    comm = Comm()
-    if comm.world == 1:
+    control = Control()
+    if control.world == 1:
         return state_dict
     skeleton: Any = None
     encoder = Encoder("t/")
-    with comm.phase("set_optimizer_state_dict(full=True)"):
-        if comm.rank == 0:
+    with control.phase("set_optimizer_state_dict(full=True)"):
+        if control.rank == 0:
             for fqn, values in state_dict.get("state", {}).items():
                 for name, value in values.items():
                     if isinstance(value, DTensor):
@@ -259,12 +260,12 @@ def broadcast_optimizer_state(state_dict: OptimStateDict) -> OptimStateDict:
                                        "param_groups": state_dict.get("param_groups", [])}, "optimizer state")
             skeleton = {"tree": skeleton, "tensors": [[n, st_dtype(t.dtype, n), list(t.shape)]
                                                       for n, t in encoder.tensors.items()]}
-    skeleton = comm.broadcast_json(skeleton)
+    skeleton = control.broadcast_json(skeleton)
     received: dict[str, torch.Tensor] = {}
     for name, dtype, shape in skeleton["tensors"]:
-        buf = encoder.tensors[name].contiguous().clone() if comm.rank == 0 else \
+        buf = encoder.tensors[name].contiguous().clone() if control.rank == 0 else \
             torch.empty(shape, dtype=ST_TO_TORCH[dtype])
-        comm.broadcast_tensor(buf)
+        control.broadcast_tensor(buf)
         received[name] = buf
     out: OptimStateDict = decode(skeleton["tree"], received.__getitem__)
     return out
@@ -277,8 +278,8 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
     ``full=True``: rank 0's dict of full tensors is broadcast one tensor at a time and sharded like each
     parameter (other ranks may pass ``{}``); collective.
     """
-    comm = Comm()
+    control = Control()
     if full:
         state_dict = broadcast_optimizer_state(state_dict)
-    with comm.phase("set_optimizer_state_dict"):
+    with control.phase("set_optimizer_state_dict"):
         load_optimizer_state(model, optimizer, state_dict, strict)

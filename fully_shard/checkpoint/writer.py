@@ -1,6 +1,6 @@
 """checkpoint.save: every rank writes its own blocks once; rank 0 writes the index last and commits atomically.
 
-Phases (each runs inside ``comm.phase``, so a failure on one rank raises on all and never hangs):
+Phases (each runs inside ``control.phase``, so a failure on one rank raises on all and never hangs):
 1. preparing: views of model/optimizer tensors, the box each rank writes, extra state encoding;
    rank 0 recovers any interrupted commit of ``path`` and creates the temporary sibling directory.
 2. staging: each rank's boxes (and extra tensors) gathered for writing; with ``async_save`` copied to
@@ -31,7 +31,7 @@ from . import rows as row_math
 from . import safetensors_io as sio
 from .boxes import Box, full_box
 from .codec import Encoded, Encoder, st_dtype
-from .comm import Comm
+from .control import Control
 from .errors import CheckpointError, Signature
 from .records import ChunkRecord, OptimSkeleton, RankReport, Skeleton, assemble_index
 from .validate import parse_index
@@ -57,7 +57,7 @@ class _Item:
 
 
 @dataclass
-class _Plan:
+class _WritePlan:
     """What this rank writes, and (on rank 0) the global description the index is built from."""
 
     skeleton: Skeleton
@@ -79,7 +79,7 @@ def _signature(view: View) -> Signature:
 
 
 def _describe(model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Encoded) -> tuple[
-        list[_Item], _Plan, Encoder]:
+        list[_Item], _WritePlan, Encoder]:
     views, aliases = model_views(model)
     items = [_Item("model", v, v.name, None) for v in views]
     shared = Encoder("shared/")  # rank 0's optimizer hyperparameters and non-tensor values
@@ -103,7 +103,7 @@ def _describe(model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: 
                         where = f"optimizer.state[{fqn!r}][{name!r}]"
                         state.setdefault(fqn, {})[name] = fmt.Value(shared.encode(value, where))
         optim_skeleton = OptimSkeleton(groups, state, frozenset(sharded))
-    plan = _Plan(Skeleton({v.name: _signature(v) for v in views}, aliases, optim_skeleton))
+    plan = _WritePlan(Skeleton({v.name: _signature(v) for v in views}, aliases, optim_skeleton))
     mine = Encoder("extra/")
     plan.extra = mine.encode(extra, "extra")
     h = xxhash.xxh3_128(json.dumps(plan.extra, sort_keys=True).encode())
@@ -114,26 +114,26 @@ def _describe(model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: 
     return items, plan, shared
 
 
-def _stage(comm: Comm, items: list[_Item], plan: _Plan, shared: Encoder, extra: Encoded, uniform_extra: bool,
+def _stage(control: Control, items: list[_Item], plan: _WritePlan, shared: Encoder, extra: Encoded, uniform_extra: bool,
            copy: bool) -> None:
     whole = {f"{it.namespace}:{it.view.name}": it.view.local.numel() * it.view.local.element_size()
              for it in items if it.view.whole}
-    owner = row_math.assign_whole(whole, comm.world)
+    owner = row_math.assign_whole(whole, control.world)
     for it in items:
         view = it.view
         box = view.write
-        if view.whole and owner[f"{it.namespace}:{view.name}"] != comm.rank:
+        if view.whole and owner[f"{it.namespace}:{view.name}"] != control.rank:
             box = None
         if box is None:
             continue
         plan.add(it.namespace, view.name, _host(view.block(box), copy), box, view.dtype, view.shape, it.fqn,
                  it.state)
     blobs: dict[str, torch.Tensor] = {}
-    if comm.rank == 0:
+    if control.rank == 0:
         blobs.update(shared.tensors)
-    if comm.rank == 0 or not uniform_extra:
+    if control.rank == 0 or not uniform_extra:
         # Extra state identical on every rank is stored once (rank 0); otherwise each rank stores its own.
-        extra_enc = Encoder("extra/" if uniform_extra else f"extra/r{comm.rank}/")
+        extra_enc = Encoder("extra/" if uniform_extra else f"extra/r{control.rank}/")
         plan.extra = extra_enc.encode(extra, "extra")
         blobs.update(extra_enc.tensors)
     for name, t in blobs.items():
@@ -153,7 +153,7 @@ def _host(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
     return tensor.detach()
 
 
-def _write(directory: str, plan: _Plan, rank: int, world: int) -> dict[str, sio.WrittenFile]:
+def _write(directory: str, plan: _WritePlan, rank: int, world: int) -> dict[str, sio.WrittenFile]:
     written = {}
     for ns, tensors in plan.staged.items():
         name = fmt.data_file_name(ns, rank)
@@ -179,9 +179,9 @@ class _Target:
 class SaveHandle:
     """An async save in flight: files are written in the background; ``wait()`` (collective) commits."""
 
-    def __init__(self, comm: Comm, target: _Target, plan: _Plan, extra_per_rank: bool) -> None:
+    def __init__(self, control: Control, target: _Target, plan: _WritePlan, extra_per_rank: bool) -> None:
         self.path = target.path
-        self._comm, self._target, self._plan, self._extra_per_rank = comm, target, plan, extra_per_rank
+        self._control, self._target, self._plan, self._extra_per_rank = control, target, plan, extra_per_rank
         self._written: dict[str, sio.WrittenFile] = {}
         self._error: BaseException | None = None
         self._committed = False
@@ -189,7 +189,7 @@ class SaveHandle:
 
     def _run(self) -> None:
         try:
-            self._written = _write(self._target.tmp, self._plan, self._comm.rank, self._comm.world)
+            self._written = _write(self._target.tmp, self._plan, self._control.rank, self._control.world)
         except BaseException as e:
             self._error = e
 
@@ -210,7 +210,7 @@ class SaveHandle:
         self._committed = True
         if self in _PENDING:
             _PENDING.remove(self)
-        _commit(self._comm, self._target, self._plan, self._result, self._extra_per_rank)
+        _commit(self._control, self._target, self._plan, self._result, self._extra_per_rank)
 
 
 def save(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -228,37 +228,38 @@ def save(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
     wait_pending()
-    comm = Comm(timeout)
+    control = Control(timeout)
     path = os.path.abspath(os.fspath(path))
     what = f"checkpoint.save({path!r})"
     facts: dict[str, Encoded] = {}
-    with comm.phase(f"{what}: describing", facts=facts):
+    with control.phase(f"{what}: describing", facts=facts):
         items, plan, shared = _describe(model, optimizer, extra)
         facts.update(_structure_facts(plan.skeleton))
     nonce = ""
-    with comm.phase(f"{what}: preparing the directory",
-                    on_error=lambda: _remove_on_rank0(comm, nonce and commit_dir.tmp_dir(path, nonce))):
-        if comm.rank == 0:
+    with control.phase(f"{what}: preparing the directory",
+                    on_error=lambda: _remove_on_rank0(control, nonce and commit_dir.tmp_dir(path, nonce))):
+        if control.rank == 0:
             nonce = _prepare_directory(path)
-    nonce = comm.broadcast_json(nonce, what=what)
+    nonce = control.broadcast_json(nonce, what=what)
     target = _Target(path, commit_dir.tmp_dir(path, nonce), nonce, keep_last)
     views = [it.view for it in items]
-    gathered = comm.all_gather_json({"extra": plan.extra_digest, "meshes": mesh_roles(views)}, what=what)
+    gathered = control.all_gather_json({"extra": plan.extra_digest, "meshes": mesh_roles(views)}, what=what)
     uniform = len({g["extra"] for g in gathered}) == 1
-    with comm.phase(f"{what}: staging", on_error=lambda: _remove_on_rank0(comm, target.tmp)):
+    with control.phase(f"{what}: staging", on_error=lambda: _remove_on_rank0(control, target.tmp)):
         if not os.path.isdir(target.tmp):
-            raise CheckpointError(f"rank {comm.rank} cannot see the directory {target.tmp} that rank 0 created; "
+            raise CheckpointError(f"rank {control.rank} cannot see the directory {target.tmp} that rank 0 created; "
                                   "fix: save to a path on a filesystem shared by all ranks")
-        split_writes(views, [g["meshes"] for g in gathered], comm.rank)
-        _stage(comm, items, plan, shared, extra, uniform, copy=async_save)
+        split_writes(views, [g["meshes"] for g in gathered], control.rank)
+        _stage(control, items, plan, shared, extra, uniform, copy=async_save)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     if async_save:
-        handle = SaveHandle(comm, target, plan, extra_per_rank=not uniform)
+        handle = SaveHandle(control, target, plan, extra_per_rank=not uniform)
         _PENDING.append(handle)
         handle._thread.start()
         return handle
-    _commit(comm, target, plan, lambda: _write(target.tmp, plan, comm.rank, comm.world), extra_per_rank=not uniform)
+    _commit(control, target, plan, lambda: _write(target.tmp, plan, control.rank, control.world),
+            extra_per_rank=not uniform)
     return None
 
 
@@ -289,22 +290,22 @@ def _prepare_directory(path: str) -> str:
     return nonce
 
 
-def _remove_on_rank0(comm: Comm, tmp: str) -> None:
+def _remove_on_rank0(control: Control, tmp: str) -> None:
     """After a failed phase rank 0 removes the temporary directory (nothing was committed)."""
-    if comm.rank == 0 and tmp:
+    if control.rank == 0 and tmp:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _commit(comm: Comm, target: _Target, plan: _Plan, write: Callable[[], dict[str, sio.WrittenFile]],
+def _commit(control: Control, target: _Target, plan: _WritePlan, write: Callable[[], dict[str, sio.WrittenFile]],
             extra_per_rank: bool) -> None:
     """Phases 3-4: write (or collect the background writer's result), report, index, rename, retain."""
-    with comm.phase(f"{target.what}: writing", on_error=lambda: _remove_on_rank0(comm, target.tmp)):
+    with control.phase(f"{target.what}: writing", on_error=lambda: _remove_on_rank0(control, target.tmp)):
         written = write()
     report = RankReport(written, tuple(plan.chunks), plan.extra)
-    reports = [RankReport.from_json(r) for r in comm.all_gather_json(report.to_json(), what=target.what)]
-    with comm.phase(f"{target.what}: commit", on_error=lambda: _remove_on_rank0(comm, target.tmp)):
-        if comm.rank == 0:
-            index = assemble_index(comm.world, plan.skeleton, reports, extra_per_rank)
+    reports = [RankReport.from_json(r) for r in control.all_gather_json(report.to_json(), what=target.what)]
+    with control.phase(f"{target.what}: commit", on_error=lambda: _remove_on_rank0(control, target.tmp)):
+        if control.rank == 0:
+            index = assemble_index(control.world, plan.skeleton, reports, extra_per_rank)
             text = index.to_json()
             parse_index(text, f"{target.tmp}/{fmt.INDEX_FILE}")  # validate before it becomes a checkpoint
             with open(os.path.join(target.tmp, fmt.INDEX_FILE), "w") as f:

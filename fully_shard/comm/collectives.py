@@ -31,7 +31,7 @@ def _reduce_scatter_fn():
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-Alloc = Callable[..., torch.Tensor]  # a custom comm's ``allocate(size, *, dtype, device)``
+Alloc = Callable[..., torch.Tensor]  # a custom collective's ``allocate(size, *, dtype, device)``
 
 
 def allocate(alloc: Alloc | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -41,7 +41,7 @@ def allocate(alloc: Alloc | None, numel: int, dtype: torch.dtype, device: torch.
         return torch.empty(numel, dtype=dtype, device=device)
     buf = alloc((numel,), dtype=dtype, device=device)
     if buf.numel() != numel or buf.dtype != dtype or not buf.is_contiguous():
-        raise ValueError(f"custom comm allocate(({numel},), dtype={dtype}, device={device}) returned a "
+        raise ValueError(f"custom collective's allocate(({numel},), dtype={dtype}, device={device}) returned a "
                          f"{'' if buf.is_contiguous() else 'non-contiguous '}{buf.dtype} tensor of "
                          f"{buf.numel()} elements. Fix: return a contiguous tensor of that size and dtype.")
     return buf.view(-1)
@@ -68,17 +68,17 @@ def issue_at_world_one(enabled: bool) -> bool:
 
 
 # --- all-gather ------------------------------------------------------------------------------------
-def all_gather(over: SubgroupInfo, out: torch.Tensor, async_op: bool, *, comm: Any = None) -> dist.Work | None:
+def all_gather(over: SubgroupInfo, out: torch.Tensor, async_op: bool, *, custom: Any = None) -> dist.Work | None:
     """In-place all-gather over ``over`` (the shard group or a k-subgroup) of this rank's segment of
-    ``out`` into the whole of ``out``, by ``comm(output_tensor=, input_tensor=, group=, async_op=)`` when
+    ``out`` into the whole of ``out``, by ``custom(output_tensor=, input_tensor=, group=, async_op=)`` when
     a custom all-gather is set. Over one rank the segment is the whole buffer: no collective
     (as torch's FSDP2; NO_SHARD's one-rank shard groups too) unless ``issue_at_world_one(True)``. A
-    group's plan binds ``over`` and ``comm`` once (``GatherPlan.gather``)."""
+    group's plan binds ``over`` and ``custom`` once (``GatherPlan.gather``)."""
     if over.world == 1 and not _at_world_one:
         return None
     inp = segment(out, over.rank, over.world)
-    if comm is not None:
-        return comm(output_tensor=out, input_tensor=inp, group=over.group, async_op=async_op)
+    if custom is not None:
+        return custom(output_tensor=out, input_tensor=inp, group=over.group, async_op=async_op)
     return all_gather_into(out, inp, over.group, async_op=async_op)
 
 
@@ -158,15 +158,15 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup) -> list[Any]:
 
 # --- reduce-scatter and all-reduce -------------------------------------------------------------------
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp,
-                   async_op: bool, *, comm: Any = None) -> dist.Work | None:
-    """``out`` = this rank's segment of ``inp`` reduced over ``group`` (by ``comm(output_tensor=,
+                   async_op: bool, *, custom: Any = None) -> dist.Work | None:
+    """``out`` = this rank's segment of ``inp`` reduced over ``group`` (by ``custom(output_tensor=,
     input_tensor=, group=, op=, async_op=)`` when a custom reduce-scatter is set); over one rank
     (``inp`` is one segment) a copy, no collective, unless ``issue_at_world_one(True)``."""
     if out.numel() == inp.numel() and not _at_world_one:
         out.copy_(inp)
         return None
-    if comm is not None:
-        return comm(output_tensor=out, input_tensor=inp, group=group, op=op, async_op=async_op)
+    if custom is not None:
+        return custom(output_tensor=out, input_tensor=inp, group=group, op=op, async_op=async_op)
     return reduce_scatter_into(out, inp, group, op, async_op=async_op)
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from . import collectives, trace
 
-__all__ = ["ExchangeStats", "Pending", "all_gather_rows", "all_to_all_rows", "check_same_plan"]
+__all__ = ["ExchangeStats", "PendingRows", "all_gather_rows", "all_to_all_rows", "check_same_plan"]
 
 
 @dataclass
@@ -47,7 +47,7 @@ class ExchangeStats:
         return sum(v for k, v in self.received.items() if k not in exclude)
 
 
-class Pending:
+class PendingRows:
     """An issued collective: ``wait()`` returns its output tensor (in the caller's dtype)."""
 
     def __init__(self, work: Any, out: torch.Tensor, dtype: torch.dtype) -> None:
@@ -73,7 +73,7 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_to_all_rows(send: torch.Tensor, *, send_splits: Sequence[int], recv_splits: Sequence[int],
-                    group: dist.ProcessGroup, stats: ExchangeStats, async_op: bool = True) -> Pending:
+                    group: dist.ProcessGroup, stats: ExchangeStats, async_op: bool = True) -> PendingRows:
     """One ``all_to_all_single`` over ``group`` of a flat buffer: ``send_splits[r]`` elements go to rank
     ``r``, ``recv_splits[r]`` arrive from it (concatenated in rank order)."""
     rank = dist.get_rank(group)
@@ -84,11 +84,11 @@ def all_to_all_rows(send: torch.Tensor, *, send_splits: Sequence[int], recv_spli
     _observed("all_to_all", sent, dist.get_world_size(group))
     work = dist.all_to_all_single(_wire(out), _wire(send.contiguous()), output_split_sizes=list(recv_splits),
                                   input_split_sizes=list(send_splits), group=group, async_op=async_op)
-    return Pending(work, _wire(out), send.dtype)
+    return PendingRows(work, _wire(out), send.dtype)
 
 
 def all_gather_rows(local: torch.Tensor, *, chunk: int, group: dist.ProcessGroup, stats: ExchangeStats,
-                    async_op: bool = True) -> Pending:
+                    async_op: bool = True) -> PendingRows:
     """All-gather a flat buffer padded to ``chunk`` elements per rank; the output is ``[W, chunk]``."""
     world = dist.get_world_size(group)
     if local.numel() > chunk:
@@ -101,7 +101,7 @@ def all_gather_rows(local: torch.Tensor, *, chunk: int, group: dist.ProcessGroup
     stats.add("all_gather", nbytes, nbytes)
     _observed("all_gather", nbytes, world)
     work = collectives.all_gather_into(_wire(out), _wire(padded), group, async_op=async_op)
-    return Pending(work, out.view(world, chunk), local.dtype)
+    return PendingRows(work, out.view(world, chunk), local.dtype)
 
 
 def check_same_plan(digest: str, *, group: dist.ProcessGroup, stats: ExchangeStats, what: str) -> None:

@@ -1,4 +1,5 @@
-"""Comm objects for the all-gather/reduce-scatter override calls: checks and process-group allocation.
+"""Custom collectives (torch's ``Comm`` objects) for the all-gather/reduce-scatter overrides: checks and
+process-group allocation.
 
 torch 2.13's ``Comm`` protocol (``set_custom_all_gather`` / ``set_custom_reduce_scatter``): an object
 with ``allocate(size, *, dtype, device) -> Tensor`` for the communication buffer and ``__call__``
@@ -23,12 +24,13 @@ from . import collectives
 _WARNED: set[tuple[str, str, str]] = set()
 
 
-def check_comm(comm: Any, method: str, call: str) -> None:
-    """A user comm object must have a callable ``allocate`` and be callable itself."""
-    if callable(getattr(comm, "allocate", None)) and callable(comm):
+def check_custom(custom: Any, method: str, call: str) -> None:
+    """A custom collective (the object given to ``set_custom_all_gather``/``set_custom_reduce_scatter``) must
+    have a callable ``allocate`` and be callable itself."""
+    if callable(getattr(custom, "allocate", None)) and callable(custom):
         return
     raise TypeError(f"{method} expects an object with allocate(size, *, dtype, device) and __call__({call}) "
-                    f"(torch's Comm protocol), got {type(comm).__name__}: {comm!r}. Fix: implement both methods.")
+                    f"(torch's Comm protocol), got {type(custom).__name__}: {custom!r}. Fix: implement both methods.")
 
 
 def warn_once(method: str, device: torch.device, backend: str, what: str) -> None:
@@ -76,6 +78,6 @@ class PGAllocReduceScatter(_PGAlloc):
         return collectives.reduce_scatter_into(output_tensor, input_tensor, group, op, async_op=async_op)
 
 
-def is_builtin(comm: Any) -> bool:
+def is_builtin(custom: Any) -> bool:
     """None (torch.empty + the plain collective) or this module's process-group allocation."""
-    return comm is None or isinstance(comm, _PGAlloc)
+    return custom is None or isinstance(custom, _PGAlloc)

@@ -37,11 +37,11 @@ class _Reduction(GradientReductionHandle):
         root = self._root
         if root is None:
             return
-        if root.comm.active_reduction is not self:
+        if root.ctx.active_reduction is not self:
             raise RuntimeError("This gradient reduction handle was invalidated")
         _end_backward(root)
         root.pending_reduction = None
-        root.comm.active_reduction = None
+        root.ctx.active_reduction = None
         self._root = None
 
 
@@ -75,7 +75,7 @@ def finalize_backward(state: FSDPState, *, async_op: bool) -> GradientReductionH
         return _Reduction(None) if async_op else None
     if root.pending_reduction is not None:
         raise RuntimeError("The previous gradient reduction must be waited on before finalizing backward again")
-    if root.comm.active_reduction is not None:
+    if root.ctx.active_reduction is not None:
         raise RuntimeError("Another gradient reduction sharing this communication context must be waited on "
                            "before finalizing backward")
     _check(state, root)
@@ -92,7 +92,7 @@ def finalize_backward(state: FSDPState, *, async_op: bool) -> GradientReductionH
         return None
     reduction = _Reduction(root)
     root.pending_reduction = reduction
-    root.comm.active_reduction = reduction
+    root.ctx.active_reduction = reduction
     return reduction
 
 
@@ -130,17 +130,17 @@ def _end_backward(root: RootContext) -> None:
     """Wait for every reduction of the root's backward and end its iteration (as the automatic last
     backward's end does)."""
     root.reduces.drain()
-    root.comm.end_backward(reduces_finished=True, step_ended=False)
+    root.ctx.end_backward(reduces_finished=True, step_ended=False)
     root.manual_active = None
 
 
 def reset(root: RootContext) -> None:
     """``reset_iter_state``: forget the manual mode of the failed backward and invalidate its handle (a
     handle owned by another root sharing the communication context cannot be reset from here)."""
-    active = root.comm.active_reduction
+    active = root.ctx.active_reduction
     if active is not None and active is not root.pending_reduction:
         raise RuntimeError("reset_iter_state cannot reset a gradient reduction owned by another FSDP root sharing "
                            "the communication context")
-    root.comm.active_reduction = None
+    root.ctx.active_reduction = None
     root.pending_reduction = None
     root.manual_active = None

@@ -129,7 +129,7 @@ class GatherPlan:
 
     def __init__(self, params: list[ShardedParam], *, fqn: str, flat: FlatLayout, blocks: BlockLayout | None,
                  dtypes: tuple[torch.dtype, ...], device: torch.device, mesh_info: MeshInfo,
-                 subgroup: SubgroupInfo | None, mp_policy: MixedPrecisionPolicy, comm: Any = None,
+                 subgroup: SubgroupInfo | None, mp_policy: MixedPrecisionPolicy, custom: Any = None,
                  agreed: GatherPlan | None = None) -> None:
         self.params = params
         self.fqn = fqn
@@ -142,7 +142,7 @@ class GatherPlan:
         self.world = flat.world
         self.rank = mesh_info.shard_rank
         self.mp_policy = mp_policy
-        self.alloc: Alloc | None = comm.allocate if comm is not None else None
+        self.alloc: Alloc | None = custom.allocate if custom is not None else None
         exts = [p.extension for p in params if p.extension is not None]
         self.variant = (GatherVariant.SUBCLASS if exts else GatherVariant.QUANTIZED if blocks is not None else
                         GatherVariant.BYTES if len(set(dtypes)) > 1 else GatherVariant.PLAIN)
@@ -159,9 +159,9 @@ class GatherPlan:
                 "is gathered. Fix: shard that parameter in a fully_shard call without it.")
         # the collective over the shard group, and over the k-subgroup from a kept block
         self.over = mesh_info.shard_subgroup
-        self.gather = partial(collectives.all_gather, self.over, comm=comm)
+        self.gather = partial(collectives.all_gather, self.over, custom=custom)
         self.kept_over = subgroup
-        self.gather_kept = partial(collectives.all_gather, subgroup, comm=comm) if subgroup is not None else None
+        self.gather_kept = partial(collectives.all_gather, subgroup, custom=custom) if subgroup is not None else None
         # copy-in sources: the sharded parameters (their local shards read per copy-in) and padding zeros
         self.sharded = tuple(p.sharded_param for p in params)
         self.pads: tuple[torch.Tensor | None, ...] | None = None  # fused copy-in: None where nothing pads

@@ -79,7 +79,7 @@ class ParamGroup:
         self.blocks = (BlockLayout(self.flat.sizes, all_gather_policy.block_size)
                        if isinstance(all_gather_policy, QuantizedAllGather) else None)
         self.state = GroupState.SHARDED
-        self.comm: CommContext | None = None  # the root's, set at lazy init
+        self.ctx: CommContext | None = None  # the root's, set at lazy init
         # every (module, attribute, parameter) slot the group's parameters are registered in
         self._slots = tuple((module, name, p) for p in params for module, name in p.slots)
         self.gather_plan: GatherPlan | None = None  # built at lazy init (_plan_gather)
@@ -92,7 +92,7 @@ class ParamGroup:
         self.reducer = Reducer(fqn, mesh_info, device, data_parallel_world)
         self.reshard_after_backward = True
         self.unshard_in_backward = True  # set_unshard_in_backward
-        self._all_gather_comm: Any = None  # set_custom_all_gather / PG allocation: allocate() + __call__()
+        self._custom_all_gather: Any = None  # set_custom_all_gather / PG allocation: allocate() + __call__()
         # set_keep_unsharded_storage: reshard registers the sharded parameters but keeps the unsharded storage
         self.keep_unsharded_storage = False
         self._unset_reduce_dtype = torch.get_default_dtype()  # (a group without parameters reduces nothing)
@@ -124,7 +124,7 @@ class ParamGroup:
         dtypes = {p.orig_dtype for p in self.params}
         if len(dtypes) > 1:
             found = ", ".join(f"{p.fqn}: {p.orig_dtype}" for p in self.params)
-            unit = "this fully_shard call" if self.comm is None else f"fully_shard unit {self.fqn or '<root>'!r}"
+            unit = "this fully_shard call" if self.ctx is None else f"fully_shard unit {self.fqn or '<root>'!r}"
             raise ValueError(
                 f"{unit} groups parameters of several dtypes ({found}); one "
                 "all-gather moves one dtype. Fix: pass mp_policy=MixedPrecisionPolicy(param_dtype=...) "
@@ -157,14 +157,14 @@ class ParamGroup:
         return [p for p in self.params if p.requires_grad]
 
     @property
-    def all_gather_comm(self) -> Any:
+    def custom_all_gather(self) -> Any:
         """``set_custom_all_gather``'s object (or the process-group allocation's): ``allocate()`` + ``__call__()``."""
-        return self._all_gather_comm
+        return self._custom_all_gather
 
-    @all_gather_comm.setter
-    def all_gather_comm(self, comm: Any) -> None:
-        self._all_gather_comm = comm
-        if self.comm is not None:  # planned already: again with the new collective and allocator
+    @custom_all_gather.setter
+    def custom_all_gather(self, custom: Any) -> None:
+        self._custom_all_gather = custom
+        if self.ctx is not None:  # planned already: again with the new collective and allocator
             self._plan_gather()
 
     @property
@@ -212,17 +212,17 @@ class ParamGroup:
         self._register(unsharded=False)
 
     @property
-    def _comm(self) -> CommContext:
-        if self.comm is None:
+    def _ctx(self) -> CommContext:
+        if self.ctx is None:
             raise RuntimeError(f"fully_shard unit {self.fqn or '<root>'}: communication before lazy init "
                                "(the first forward, or unshard() on a module passed to fully_shard, sets it "
                                "up). Fix: run a forward first, or call unshard() on the FSDP module.")
-        return self.comm
+        return self.ctx
 
     # --- unshard -------------------------------------------------------------------------------
     @_outside_functorch
-    def lazy_init(self, comm: CommContext) -> None:
-        self.comm = comm
+    def lazy_init(self, ctx: CommContext) -> None:
+        self.ctx = ctx
         for p in self.params:
             p.adopt_module_param()
         self._check_dtypes()
@@ -236,7 +236,7 @@ class ParamGroup:
         for p in self.params:
             p.adopt_module_param()
         self._check_dtypes()
-        if self.comm is not None:
+        if self.ctx is not None:
             for p, dtype in zip(self.params, self.dtypes):
                 p.init_unsharded(dtype, self.device)
             self._plan_gather()
@@ -246,7 +246,7 @@ class ParamGroup:
         the layout its ranks agreed on)."""
         self.gather_plan = GatherPlan(self.params, fqn=self.fqn, flat=self.flat, blocks=self.blocks,
                                       dtypes=self.dtypes, device=self.device, mesh_info=self.mesh_info,
-                                      subgroup=self.subgroup, mp_policy=self.mp_policy, comm=self._all_gather_comm,
+                                      subgroup=self.subgroup, mp_policy=self.mp_policy, custom=self._custom_all_gather,
                                       agreed=self.gather_plan)
 
     @_outside_functorch
@@ -258,8 +258,8 @@ class ParamGroup:
             return
         partial = self.state is GroupState.PARTIALLY_SHARDED
         self._transition((GroupState.SHARDED, GroupState.PARTIALLY_SHARDED), GroupState.UNSHARDING, "unshard")
-        ctx, plan = self._comm, self.gather_plan
-        assert plan is not None  # (built at lazy init, which _comm checked)
+        ctx, plan = self._ctx, self.gather_plan
+        assert plan is not None  # (built at lazy init, which _ctx checked)
         with grad_mode.no_grad():
             if partial:  # reshard_after_forward=k: gathered within the k-rank subgroup from the kept block
                 block, written = self._partial_shard, self._partial_shard_event
@@ -297,7 +297,7 @@ class ParamGroup:
         self._pending_unshard = None
         assert self.gather_plan is not None
         with grad_mode.no_grad():
-            exposed = self._comm.finish_all_gather(out, pending, self.gather_plan.copy_out, event=event)
+            exposed = self._ctx.finish_all_gather(out, pending, self.gather_plan.copy_out, event=event)
         self._register(unsharded=True)
         self._transition((GroupState.UNSHARDING,), GroupState.UNSHARDED, "finish unshard")
         if trace.observers:  # (the byte count is not computed for nobody)
@@ -322,7 +322,7 @@ class ParamGroup:
             with grad_mode.no_grad():
                 block = plan.kept()
             self._partial_shard = block
-            self._partial_shard_event = self._comm.compute_event()  # (its copy-in, on another stream, follows it)
+            self._partial_shard_event = self._ctx.compute_event()  # (its copy-in, on another stream, follows it)
         if not self.keep_unsharded_storage:  # set_keep_unsharded_storage: data pointers stay (CUDA graphs)
             plan.free()
         self._register(unsharded=False)
@@ -336,7 +336,7 @@ class ParamGroup:
         """``reset_iter_state``: finish the all-gather in flight, drop the failed step's reduces and
         gradients and register the sharded parameters again (SHARDED)."""
         if self._pending_unshard is not None:
-            self._pending_unshard[1].wait(self._comm)
+            self._pending_unshard[1].wait(self._ctx)
             self._pending_unshard = None
             self.state = GroupState.UNSHARDED  # nothing copied out: reshard() frees and re-registers
         self.reshard()
@@ -347,7 +347,7 @@ class ParamGroup:
     def reduce_grads(self, *, reshard_first: bool = False) -> bool:
         """Post-backward: hand the unsharded grads to the reducer; True when a reduce was issued.
         ``reshard_first``: free the unsharded params once their grads are taken (see ``Reducer.reduce``)."""
-        return self.reducer.reduce(self.params, self.reduce_dtype, self._comm,
+        return self.reducer.reduce(self.params, self.reduce_dtype, self._ctx,
                                    before_alloc=self._reshard_in_backward if reshard_first else None)
 
     def _reshard_in_backward(self) -> None:

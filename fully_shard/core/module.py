@@ -203,7 +203,7 @@ class FSDPModule:
                 raise ValueError("set_all_reduce_hook: stream cannot be set with HSDP (the hook runs on the "
                                  "all-reduce stream). Fix: pass stream=None.")
             # (after lazy init the unit's context says: the stream stand-in gives CPU units streams)
-            has_streams = group.comm.accelerated if group.comm is not None else group.device.type != "cpu"
+            has_streams = group.ctx.accelerated if group.ctx is not None else group.device.type != "cpu"
             if stream is not None and not has_streams:
                 raise ValueError("set_all_reduce_hook: device 'cpu' has no streams; the hook runs on the host "
                                  "after the reduce-scatter finished. Fix: pass stream=None.")
@@ -251,25 +251,26 @@ class FSDPModule:
     def set_custom_all_gather(self, comm: Any) -> None:
         """Replace the all-gather and its buffer: ``comm.allocate((n,), dtype=, device=)`` gives the
         gathered buffer, ``comm(output_tensor=, input_tensor=, group=, async_op=)`` fills it."""
-        protocol.check_comm(comm, "set_custom_all_gather", "output_tensor, input_tensor, group, async_op")
+        protocol.check_custom(comm, "set_custom_all_gather", "output_tensor, input_tensor, group, async_op")
         for group in self._groups():
-            group.all_gather_comm = comm
+            group.custom_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Replace the reduce-scatter and its buffers: ``comm.allocate`` gives the input and the output,
         ``comm(output_tensor=, input_tensor=, group=, op=, async_op=)`` reduces."""
-        protocol.check_comm(comm, "set_custom_reduce_scatter", "output_tensor, input_tensor, group, op, async_op")
+        protocol.check_custom(comm, "set_custom_reduce_scatter", "output_tensor, input_tensor, group, op, async_op")
         for group in self._groups():
-            group.reducer.settings.comm = comm
+            group.reducer.settings.custom_reduce_scatter = comm
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Take the communication buffers from the process group's allocator (NCCL zero-copy). A
         backend without one (gloo) warns once and keeps ``torch.empty``."""
         for group in self._groups():
-            if not (protocol.is_builtin(group.all_gather_comm) and protocol.is_builtin(group.reducer.settings.comm)):
+            if not (protocol.is_builtin(group.custom_all_gather)
+                    and protocol.is_builtin(group.reducer.settings.custom_reduce_scatter)):
                 raise ValueError("set_allocate_memory_from_process_group_for_comm cannot be combined with "
                                  "set_custom_all_gather/set_custom_reduce_scatter (they allocate their own "
-                                 "buffers). Fix: allocate from the process group inside your comm object.")
+                                 "buffers). Fix: allocate from the process group inside your custom collective.")
             shard = group.mesh_info.shard_group
             rs_group = group.reducer.settings.group or shard
             if enable and not protocol.supports_tensor_alloc(shard, group.device):
@@ -277,8 +278,8 @@ class FSDPModule:
                                 protocol.backend_name(shard), "the backend has no tensor allocator; buffers come "
                                 "from torch.empty")
                 enable = False
-            group.all_gather_comm = protocol.PGAllocAllGather(shard) if enable else None
-            group.reducer.settings.comm = protocol.PGAllocReduceScatter(rs_group) if enable else None
+            group.custom_all_gather = protocol.PGAllocAllGather(shard) if enable else None
+            group.reducer.settings.custom_reduce_scatter = protocol.PGAllocReduceScatter(rs_group) if enable else None
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Symmetric-memory all-gather buffers: not implemented (needs CUDA + NCCL symmetric memory);
@@ -303,7 +304,7 @@ class FSDPModule:
         state = self._fsdp
         state.lazy_init()
         assert state.root is not None
-        state.root.comm.post_optim_event = event
+        state.root.ctx.post_optim_event = event
 
     def fsdp_repr(self) -> str:
         """One line per managed parameter: ``blocks.0.up.weight f32[157@shard/2, 60] SHARDED``."""

@@ -71,7 +71,7 @@ class MixedPrecisionPolicy:
 
 def default_reduce_dtype(compute_dtypes: Iterable[torch.dtype], orig_dtypes: Iterable[torch.dtype]) -> torch.dtype:
     """What one group's gradients are reduced in (and accumulated in without sync) under ``reduce_dtype=None``,
-    following the torch this runs on (README, "Differences"): from torch 2.15 the parameters' original dtypes,
+    following the torch this runs on (docs/torch.md, "Differences"): from torch 2.15 the parameters' original dtypes,
     before it their compute dtypes (``param_dtype``; a parameter ``param_dtype_override_fn`` keeps in its own
     dtype adds that one), promoted to one dtype."""
     return functools.reduce(torch.promote_types, orig_dtypes if REDUCE_IN_ORIG_DTYPE else compute_dtypes)

@@ -43,7 +43,7 @@ class ReduceSettings:
     unused_params: bool | None = None  # set_reduce_scatter_unused_params; None: zeros (this library)
     max_input_buffers: int | None = None  # set_reduce_scatter_max_input_buffers; None: ReduceQueue's
     group: dist.ProcessGroup | None = None  # set_separate_reduce_scatter_group; None: the shard group
-    comm: Any = None  # set_custom_reduce_scatter / process-group allocation: allocate() + __call__()
+    custom_reduce_scatter: Any = None  # set_custom_reduce_scatter / process-group allocation: allocate() + __call__()
     # a new number on every assignment to a field: a ReducePlan built from older settings is rebuilt
     version: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -62,7 +62,7 @@ def reduce_ops(settings: ReduceSettings, world: int, dtype: torch.dtype, *,
     (fp16, fp64: the overflow risk torch guards against) always SUM, the division split as
     ``pre * post = f`` around the collective (~sqrt(f) each), so neither NCCL's pre-multiplied AVG
     underflows nor gloo's sum-then-divide overflows. torch uses NCCL's ``PREMUL_SUM(1/f)`` for a set
-    factor, which gloo lacks; SUM + a division runs everywhere (README, differences)."""
+    factor, which gloo lacks; SUM + a division runs everywhere (docs/torch.md, differences)."""
     overflow_risk = dtype not in _NO_OVERFLOW_RISK
     if (settings.divide_factor is None and not settings.force_sum and not overflow_risk
             and collective_world in (None, world)):
@@ -81,7 +81,7 @@ def _reduce_scatter(group: dist.ProcessGroup, op: dist.ReduceOp, custom: Any, in
                     out: torch.Tensor | None, async_op: bool) -> dist.Work | None:
     """A plan's reduce-scatter of ``inp`` into ``out`` over ``group`` (``custom``: a custom reduce-scatter)."""
     assert out is not None
-    return collectives.reduce_scatter(out, inp, group, op, async_op, comm=custom)
+    return collectives.reduce_scatter(out, inp, group, op, async_op, custom=custom)
 
 
 @dataclass
@@ -96,7 +96,7 @@ class PendingReduce:
     flat: FlatLayout
     views: tuple[GradView, ...]  # per parameter whose grad the output holds: its rows (ReducePlan.views)
     ops: ReduceOps
-    comm: CommContext  # the context it was issued in (waited in the same)
+    ctx: CommContext  # the context it was issued in (waited in the same)
 
 
 class Reducer:
@@ -163,17 +163,17 @@ class Reducer:
         settings, mesh = self.settings, self.mesh_info
         ops = reduce_ops(settings, self.data_parallel_world, reduce_dtype,
                          collective_world=mesh.shard_world * mesh.replicate_world)
-        alloc = settings.comm.allocate if settings.comm is not None else None
+        alloc = settings.custom_reduce_scatter.allocate if settings.custom_reduce_scatter is not None else None
         group = settings.group or mesh.shard_group
         # (the reduce input is world * shard_numel elements: one rank's segment only over one rank)
-        in_place = (not ctx.accelerated and settings.comm is None and mesh.replicate_group is None
+        in_place = (not ctx.accelerated and settings.custom_reduce_scatter is None and mesh.replicate_group is None
                     and flat.world * flat.shard_numel != flat.shard_numel
                     and collectives.reduce_scatter_is_all_reduce(group))
         if in_place:  # gloo: the input all-reduced in place, this rank's row of it the output (_take_row)
             collective: Collective = collectives.all_reduce_async(group, ops.reduce_scatter, reduce_dtype)
             output = None
         else:
-            collective = partial(_reduce_scatter, group, ops.reduce_scatter, settings.comm)
+            collective = partial(_reduce_scatter, group, ops.reduce_scatter, settings.custom_reduce_scatter)
             output = partial(collectives.allocate, alloc, flat.shard_numel, reduce_dtype, self.device)
         return ReducePlan(flat, reduce_dtype, ctx, settings.version, ops, in_place, alloc,
                           (settings.max_input_buffers or 1) - 1, tuple(params),
@@ -248,7 +248,7 @@ class Reducer:
         CPU budget calls it where an input does not fit in memory: the wait is this rank's own decision,
         since it orders no collective."""
         for item in self.pending:
-            item.comm.finish_reduce(item.reduce_scatter, item.all_reduce)
+            item.ctx.finish_reduce(item.reduce_scatter, item.all_reduce)
             if item.in_place and item.cpu_input is not None:  # no future: the row is taken here
                 self._take_row(item)
             item.cpu_input = None
@@ -263,7 +263,7 @@ class Reducer:
             self.settle()
         hook = self.settings.all_reduce_hook
         for item in self.pending:
-            ctx = item.comm
+            ctx = item.ctx
             output = item.output
             if output is not None:
                 if hook is not None:  # in the reduce dtype, before the divide factor (torch's order)
@@ -280,7 +280,7 @@ class Reducer:
         their results, the HSDP partial sums and the no-sync accumulators of ``params``: the failed
         step's gradients are lost, as in torch."""
         for item in self.pending:
-            item.comm.finish_reduce(item.reduce_scatter, item.all_reduce)
+            item.ctx.finish_reduce(item.reduce_scatter, item.all_reduce)
         self.pending.clear()
         self.partial_output = None
         for p in params:

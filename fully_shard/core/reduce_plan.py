@@ -58,11 +58,11 @@ class ReducePlan:
 
     flat: FlatLayout
     dtype: torch.dtype
-    comm: CommContext
+    ctx: CommContext
     version: int  # the ReduceSettings.version it was built from
     ops: ReduceOps
     in_place: bool  # gloo: all-reduce the reduce input in place (Reducer.reduce)
-    alloc: Callable[..., torch.Tensor] | None  # a custom comm's allocate
+    alloc: Callable[..., torch.Tensor] | None  # a custom collective's allocate
     keep_inputs: int  # reduce-scatter inputs left held before a new one is allocated (accelerators)
     params: tuple[ShardedParam, ...]
     rows: tuple[tuple[int, int], ...] | None  # per parameter its (world, size) rows; None: no plain cat
@@ -72,8 +72,8 @@ class ReducePlan:
     collective: Collective
     output: Callable[[], torch.Tensor] | None  # allocates the reduced shard; None: the input's own row
 
-    def matches(self, flat: FlatLayout, dtype: torch.dtype, comm: CommContext, version: int) -> bool:
-        return self.flat is flat and self.dtype is dtype and self.comm is comm and self.version == version
+    def matches(self, flat: FlatLayout, dtype: torch.dtype, ctx: CommContext, version: int) -> bool:
+        return self.flat is flat and self.dtype is dtype and self.ctx is ctx and self.version == version
 
     def copy_in(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
         """The reduce input: ``grads`` (one per parameter, None: no gradient) packed, cast to the reduce

@@ -31,7 +31,7 @@ def reset_iter_state(state: FSDPState) -> None:
         st._modules_to_run = set()
         st._awaits_post_backward = False
     root.reduces.discard()
-    root.comm.discard_in_flight()
+    root.ctx.discard_in_flight()
     root.callback_queued = False  # autograd drops a failed backward's queued callbacks
     root.reduce_callback_queued = False
     if not root.order_frozen:  # the first forward failed: record the order again
@@ -47,21 +47,21 @@ def share_comm_ctx(states: list[FSDPState]) -> None:
     if not states:
         return
     first = states[0]
-    comm = first.root.comm if first.root is not None else (first.shared_comm or CommContext(first.device))
+    ctx = first.root.ctx if first.root is not None else (first.shared_ctx or CommContext(first.device))
     for st in states:
-        if st.device != comm.device:
-            raise ValueError(f"share_comm_ctx: modules on {comm.device} and {st.device}; one context serves "
+        if st.device != ctx.device:
+            raise ValueError(f"share_comm_ctx: modules on {ctx.device} and {st.device}; one context serves "
                              "one device. Fix: pass modules of one device.")
-        _use_comm(st, comm)
+        _use_ctx(st, ctx)
 
 
-def _use_comm(state: FSDPState, comm: CommContext) -> None:
+def _use_ctx(state: FSDPState, ctx: CommContext) -> None:
     for module in state.modules:
         for _, sub in states_under(module):
-            sub.shared_comm = comm
+            sub.shared_ctx = ctx
     if state.root is None:
         return  # lazy init picks it up (RootContext)
-    state.root.comm = comm
+    state.root.ctx = ctx
     for st in state.root.states:
         for group in st.groups:
-            group.comm = comm
+            group.ctx = ctx

@@ -44,10 +44,10 @@ class TrainingState(enum.Enum):
 class RootContext:
     """What the root shares with every state below it."""
 
-    def __init__(self, states: list[FSDPState], device: torch.device, comm: CommContext | None = None) -> None:
+    def __init__(self, states: list[FSDPState], device: torch.device, ctx: CommContext | None = None) -> None:
         self.states = states
-        self.comm = comm or CommContext(device)  # share_comm_ctx: one shared by several roots
-        self.reduces = ReduceQueue(accelerated=self.comm.accelerated)
+        self.ctx = ctx or CommContext(device)  # share_comm_ctx: one shared by several roots
+        self.reduces = ReduceQueue(accelerated=self.ctx.accelerated)
         self.forward_order: list[FSDPState] = []  # units in the order their forward began
         self.post_forward_order: list[FSDPState] = []  # ... and ended: backward runs it in reverse
         self.order_frozen = False
@@ -82,7 +82,7 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] | None = None
         self.is_last_backward = True
         self.manual_finalization = False  # set_manual_backward_finalization (read on the root; finalize.py)
-        self.shared_comm: CommContext | None = None  # share_comm_ctx before lazy init (roots.py)
+        self.shared_ctx: CommContext | None = None  # share_comm_ctx before lazy init (roots.py)
         self._modules_to_run: set[nn.Module] = set()  # list unit: members still to run this pass
         self._awaits_post_backward = False  # this pass wrapped grad-requiring inputs in _PostBackward
         self._member_params = _member_params(modules, groups)  # list unit: params under each member
@@ -109,7 +109,7 @@ class FSDPState:
         check_not_meta(module)  # ranks made the same calls: checked at fully_shard() time (checks.py)
         if any(state is not self and state.manual_finalization for _, state in found):
             raise RuntimeError("set_manual_backward_finalization must be called on the root FSDP module")
-        root = RootContext([state for _, state in found], self.device, self.shared_comm)
+        root = RootContext([state for _, state in found], self.device, self.shared_ctx)
         root.owner = self
         for fqn, state in found:
             state.root = root
@@ -120,7 +120,7 @@ class FSDPState:
                 group.fqn = fqn if len(state.groups) == 1 else f"{fqn}[{group_label(group)}]"
                 for p in group.params:
                     p.fqn = join_fqn(fqn, p.local_fqn)
-                group.lazy_init(root.comm)
+                group.lazy_init(root.ctx)
         self.is_root = True
 
     @property
@@ -188,7 +188,7 @@ class FSDPState:
     def _start_pass(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._modules_to_run = set(self.modules)
         root = self._root
-        if root.pending_reduction is not None or root.comm.active_reduction is not None:
+        if root.pending_reduction is not None or root.ctx.active_reduction is not None:
             raise RuntimeError("The previous gradient reduction must be waited on before forward")
         if self.is_root:
             self._root_pre_forward()
@@ -209,7 +209,7 @@ class FSDPState:
             self._finish_pass()
             if self.is_root:
                 self._finish_partial_passes()
-                self._root.comm.end_forward()  # the last unit's gathered buffer goes (as torch)
+                self._root.ctx.end_forward()  # the last unit's gathered buffer goes (as torch)
         return self._cast_output(output)
 
     def _finish_pass(self) -> None:
@@ -248,7 +248,7 @@ class FSDPState:
         if root.forward_order:
             root.order_frozen = True
         root.reduces.drain()
-        root.comm.start_forward()  # this forward's first copy-in orders after compute (the optimizer step)
+        root.ctx.start_forward()  # this forward's first copy-in orders after compute (the optimizer step)
 
     def _move_inputs_to_device(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.device.type == "cpu":
@@ -351,7 +351,7 @@ class FSDPState:
         root = self._root
         root.reduce_callback_queued = False
         root.reduces.drain()
-        root.comm.end_backward(reduces_finished=True, step_ended=False)
+        root.ctx.end_backward(reduces_finished=True, step_ended=False)
 
     def post_backward(self, only: ParamGroup | None = None) -> None:
         """All gradients of this unit's parameters for one forward call are ready (``only``: reduce just
@@ -417,7 +417,7 @@ class FSDPState:
         if last:
             root.reduces.drain()
             root.manual_active = None  # the backward iteration ended (its mode may change now)
-        root.comm.end_backward(reduces_finished=last, step_ended=True)
+        root.ctx.end_backward(reduces_finished=last, step_ended=True)
         root.callback_queued = False
         root.order_frozen = True
 

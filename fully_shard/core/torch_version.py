@@ -1,5 +1,5 @@
 """The running torch's (major, minor) version: the one place the library reads it, for the behaviours that
-follow the torch it runs on (README, "Differences from torch's FSDP2") and compat's rebinding table."""
+follow the torch it runs on (docs/torch.md, "Differences from torch's FSDP2") and compat's rebinding table."""
 
 from __future__ import annotations
 

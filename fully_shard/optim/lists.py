@@ -73,6 +73,8 @@ def state_keys_of(cls: type[Optimizer], group: dict[str, Any]) -> tuple[str | No
     return tuple(keys)
 
 
+# The stand-in class per optimizer class (local_class), made once: a fact about the running torch's class,
+# so module-level, as the classes are (design/overview.md, "Module-level state")
 _classes: dict[type[Optimizer], type[Optimizer] | None] = {}
 
 

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 from torch.optim.adam import adam
 
-from ..comm.exchange import ExchangeStats, Pending, all_gather_rows, all_to_all_rows, check_same_plan
+from ..comm.exchange import ExchangeStats, PendingRows, all_gather_rows, all_to_all_rows, check_same_plan
 from .muon_plan import MatrixSpec, OwnerPlan, ns_cost, plan_owners
 
 __all__ = ["Muon", "muon_param_groups"]
@@ -42,7 +42,7 @@ ADAMW_DEFAULTS: dict[str, Any] = {
     "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2, "amsgrad": False, "maximize": False,
     "foreach": None,
 }
-Comm = Literal["owner", "gather"]
+Routing = Literal["owner", "gather"]  # the comm= argument
 
 
 # --- torch 2.13's Muon math, followed exactly ---------------------------------------------------------
@@ -147,7 +147,7 @@ class Muon(Optimizer):
         ns_steps: int = DEFAULT_NS_STEPS,
         adjust_lr_fn: str | None = None,
         *,
-        comm: Comm = "owner",
+        comm: Routing = "owner",
         per_bucket: int = 1,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
@@ -169,7 +169,7 @@ class Muon(Optimizer):
             raise ValueError(f"Muon: expected comm='owner' or comm='gather', found comm={comm!r}.")
         if per_bucket < 1:
             raise ValueError(f"Muon: expected per_bucket >= 1, found per_bucket={per_bucket}.")
-        self.comm: Comm = comm
+        self.comm: Routing = comm
         self.per_bucket = per_bucket
         self.comm_stats = ExchangeStats()
         self.ns_work = 0
@@ -337,7 +337,7 @@ class Muon(Optimizer):
             start, end = plan.rows_of(i, r)
             return (end - start) * plan.specs[i].cols
 
-        def launch(k: int) -> Pending:
+        def launch(k: int) -> PendingRows:
             bucket = plan.buckets[k]
             send_splits = [sum(held(i, me) for i, o in zip(bucket.matrices, bucket.owners) if o == d)
                            for d in range(world)]
@@ -349,7 +349,7 @@ class Muon(Optimizer):
             return all_to_all_rows(send, send_splits=send_splits, recv_splits=recv_splits, group=pg,
                                    stats=self.comm_stats)
 
-        returns: list[tuple[int, Pending]] = []
+        returns: list[tuple[int, PendingRows]] = []
         pending = launch(0) if plan.buckets else None
         for k, bucket in enumerate(plan.buckets):
             assert pending is not None
@@ -396,7 +396,7 @@ class Muon(Optimizer):
             return [sum((plan.rows_of(i, r)[1] - plan.rows_of(i, r)[0]) * plan.specs[i].cols
                         for i in plan.buckets[k].matrices) for r in range(world)]
 
-        def launch(k: int) -> Pending:
+        def launch(k: int) -> PendingRows:
             parts = [rows[i].reshape(-1) for i in plan.buckets[k].matrices]
             local = torch.cat(parts) if parts else rows[0].new_empty(0)
             return all_gather_rows(local, chunk=max(sizes(k)), group=pg, stats=self.comm_stats)

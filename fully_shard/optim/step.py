@@ -75,22 +75,33 @@ class _Sharded(Protocol):
     def sharded_param(self) -> torch.Tensor: ...
 
 
-_path = StepPath.LOCAL
-_tracked: weakref.WeakSet[Any] = weakref.WeakSet()  # live ShardedParams (not their tensors: see api.py)
-_plans: weakref.WeakKeyDictionary[Optimizer, _Plan] = weakref.WeakKeyDictionary()
-_epoch = 0  # counts fully_shard calls: a plan made before one must re-check for replaced parameters
-_tokens = itertools.count()
-_track_lock = threading.Lock()  # several ranks in one process (threaded PG) call fully_shard at once
-_thread = threading.local()  # per thread: with several ranks in one process, each steps its own optimizer
+class _Hooks:
+    """The global step hooks and everything they read: which parameters are fully_shard's, each
+    optimizer's cached stand-in, the step path.
+
+    Process-wide, and so one module-level instance (``_hooks``): torch's optimizer step hooks are global
+    (``register_optimizer_step_pre_hook``: one hook serves every optimizer of the process, whenever it
+    was built), so what they read is too (design/overview.md, "Module-level state")."""
+
+    def __init__(self) -> None:
+        self.installed = False  # the two hooks registered with torch (once, by the first fully_shard call)
+        self.path = StepPath.LOCAL  # set_step_path
+        self.tracked: weakref.WeakSet[Any] = weakref.WeakSet()  # live ShardedParams (not their tensors: api.py)
+        self.caches: weakref.WeakKeyDictionary[Optimizer, _Cache] = weakref.WeakKeyDictionary()
+        self.epoch = 0  # counts fully_shard calls: a cache made before one must re-check for replaced params
+        self.tokens = itertools.count()  # marks a parameter's local view (``_view``)
+        self.lock = threading.Lock()  # several ranks in one process (threaded PG) call fully_shard at once
+        self.thread = threading.local()  # per thread: with several ranks in one process, each steps its own
+
+    def views_with_grad(self) -> list[Iterable[torch.Tensor]]:
+        """This thread's cached local views whose ``.grad`` the running step uses (dropped after it)."""
+        views = getattr(self.thread, "with_grad", None)
+        if views is None:
+            views = self.thread.with_grad = []
+        return views
 
 
-def _views_with_grad() -> list[Iterable[torch.Tensor]]:
-    """This thread's cached local views whose ``.grad`` the running step uses (dropped after it)."""
-    views = getattr(_thread, "with_grad", None)
-    if views is None:
-        views = _thread.with_grad = []
-    return views
-_installed = False
+_hooks = _Hooks()  # the one instance: torch calls the hooks for every optimizer of the process
 # torch-internal; without it the bulk reads are slower, not different (design/optimizer-step.md, Limits)
 _no_torch_function: Callable[[], Any] = getattr(torch._C, "DisableTorchFunctionSubclass", contextlib.nullcontext)
 
@@ -100,29 +111,27 @@ def set_step_path(path: StepPath) -> StepPath:
 
     ``set_step_path(StepPath.DTENSOR)`` turns the local fast path off, e.g. to compare against it.
     """
-    global _path
     if not isinstance(path, StepPath):
         raise TypeError(f"set_step_path expects a StepPath, got {path!r}. Fix: set_step_path(StepPath.DTENSOR) "
                         "or set_step_path(StepPath.LOCAL).")
-    previous, _path = _path, path
+    previous, _hooks.path = _hooks.path, path
     return previous
 
 
 def get_step_path() -> StepPath:
-    return _path
+    return _hooks.path
 
 
 def track(params: Iterable[_Sharded], replaced: Iterable[torch.Tensor]) -> None:
     """Register a fully_shard unit's ShardedParams and the original parameters they replaced; install
     the global step hook once."""
-    global _installed, _epoch
-    with _track_lock:  # thread-ranks (threaded process groups) call fully_shard at once: one hook, one count
-        _tracked.update(params)
-        _epoch += 1
-        if not _installed:
+    with _hooks.lock:  # thread-ranks (threaded process groups) call fully_shard at once: one hook, one count
+        _hooks.tracked.update(params)
+        _hooks.epoch += 1
+        if not _hooks.installed:
             register_optimizer_step_pre_hook(_pre_step)
             register_optimizer_step_post_hook(_post_step)
-            _installed = True
+            _hooks.installed = True
     for p in replaced:
         setattr(p, _REPLACED_ATTR, getattr(p, OWNER_ATTR, None) or "a fully_shard unit")
 
@@ -155,21 +164,21 @@ def _pre_step(optimizer: Optimizer, args: tuple[Any, ...],
     if torch.compiler.is_compiling():
         return None  # torch.compile(optimizer.step): Dynamo traces torch's own step over the DTensors
     _drop_local_grads()  # left by a step that raised
-    plan = _plans.get(optimizer)
-    if plan is None or plan.epoch != _epoch or plan.groups_seen != len(optimizer.param_groups):
+    cache = _hooks.caches.get(optimizer)
+    if cache is None or cache.epoch != _hooks.epoch or cache.groups_seen != len(optimizer.param_groups):
         # new optimizer, a fully_shard call since (params may have been replaced), or add_param_group()
         rebind_originals(optimizer)  # built before the FSDP1 front end wrapped them: the successors (originals.py)
         _refuse_replaced(optimizer)
-        plan = _plans[optimizer] = _Plan(_epoch, len(optimizer.param_groups), LocalState(optimizer.state),
-                                         ours=_holds_ours(optimizer))
-    if not plan.ours:
+        cache = _hooks.caches[optimizer] = _Cache(_hooks.epoch, len(optimizer.param_groups),
+                                                  LocalState(optimizer.state), ours=_holds_ours(optimizer))
+    if not cache.ours:
         return None  # an optimizer over no parameter of ours: torch's own step, nothing more per step
     state_keys = _STATE_KEYS.get(type(optimizer))
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-    if _path is StepPath.DTENSOR or state_keys is None or closure is not None:
+    if _hooks.path is StepPath.DTENSOR or state_keys is None or closure is not None:
         return None  # a closure computes the gradients inside step(): after the view would be taken
     with torch.no_grad(), _no_torch_function():  # DTensor .grad reads without its dispatch (optimizer-step.md)
-        view = _local_optimizer(optimizer, plan, state_keys)
+        view = _local_optimizer(optimizer, cache, state_keys)
     if view is None:
         _drop_local_grads()
         return None
@@ -182,7 +191,7 @@ def _post_step(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, An
 
 def _drop_local_grads() -> None:
     """The cached views must not keep gradients alive after the step (``zero_grad`` would free them)."""
-    with_grad = _views_with_grad()
+    with_grad = _hooks.views_with_grad()
     for views in with_grad:
         for view in views:
             view.grad = None
@@ -190,8 +199,8 @@ def _drop_local_grads() -> None:
 
 
 def _holds_ours(optimizer: Optimizer) -> bool:
-    with _track_lock:
-        owned = {id(sp.sharded_param) for sp in _tracked}
+    with _hooks.lock:
+        owned = {id(sp.sharded_param) for sp in _hooks.tracked}
     return any(id(p) in owned for group in optimizer.param_groups for p in group["params"])
 
 
@@ -212,9 +221,11 @@ def _refuse_replaced(optimizer: Optimizer, params: list[torch.Tensor] | None = N
             "fully_shard(model); optimizer = torch.optim.AdamW(model.parameters()).")
 
 
-# --- the local stand-in, built and refreshed each step (its cache and the checks: step_cache.py) ------
+# --- the local stand-in, built and refreshed each step (its cache and the checks: cache.py) ----------
 @dataclass(eq=False)
-class _Plan:
+class _Cache:
+    """One optimizer's stand-in, kept between steps and re-validated each (``_local_optimizer``)."""
+
     epoch: int
     groups_seen: int
     local_state: LocalState
@@ -223,34 +234,34 @@ class _Plan:
     snapshot: StateSnapshot | None = None
 
 
-def _local_optimizer(optimizer: Optimizer, plan: _Plan,
+def _local_optimizer(optimizer: Optimizer, cache: _Cache,
                      state_keys: Callable[[dict[str, Any]], frozenset[str] | None]) -> Optimizer | None:
     """A shallow stand-in for ``optimizer`` whose eligible groups hold local shards; None if none is."""
     state = optimizer.state
-    local_state = plan.local_state
+    local_state = cache.local_state
     local_state.real = state  # load_state_dict() replaces it
     snapshot_matched: list[bool] = []  # computed once, if a group needs it (none does for a plain optimizer)
 
     def unchanged() -> bool:
         if not snapshot_matched:
-            snapshot_matched.append(plan.snapshot is not None and plan.snapshot.matches(state))
+            snapshot_matched.append(cache.snapshot is not None and cache.snapshot.matches(state))
         return snapshot_matched[0]
     local_cls = lists.local_class(type(optimizer))
     groups, any_local = [], False
     ready_by_group: dict[int, lists.Ready] = {}
     for i, group in enumerate(optimizer.param_groups):
         keys = state_keys(group)
-        cached = plan.groups.get(i)
+        cached = cache.groups.get(i)
         refreshed = None if keys is None or cached is None else _refresh(
             cached, group["params"], keys, state, local_state, unchanged, allow_ready=_may_be_ready(group))
         if refreshed is None:
             _refuse_replaced(optimizer, group["params"])  # the group's list may have been edited
             if cached is not None:
-                for slot in plan.groups.pop(i).slots:
+                for slot in cache.groups.pop(i).slots:
                     local_state.pop(slot.local, None)
             cached = None if keys is None else _build(group["params"], keys, state, local_state)
             if cached is not None:
-                plan.groups[i] = cached
+                cache.groups[i] = cached
                 if local_cls is not None:
                     _prepare_ready(cached, type(optimizer), group)
         if cached is None or not cached.slots:
@@ -262,7 +273,7 @@ def _local_optimizer(optimizer: Optimizer, plan: _Plan,
                 ready_by_group[id(local_group)] = refreshed
             groups.append(local_group)
     if any_local and snapshot_matched != [True]:  # else it would be the same objects again
-        plan.snapshot = StateSnapshot.of(state)
+        cache.snapshot = StateSnapshot.of(state)
     if not any_local:
         return None
     view = object.__new__(local_cls or type(optimizer))
@@ -326,7 +337,7 @@ def _refresh(cached: LocalGroup, params: list[torch.Tensor], keys: frozenset[str
     ready = _ready(cached, local_grads, local_state) if allow_ready and complete else None
     if ready is not None:
         return ready
-    _views_with_grad().append(cached.views)
+    _hooks.views_with_grad().append(cached.views)
     try:
         for view, local_grad in zip(cached.views, local_grads):
             view.grad = local_grad  # checks shape, dtype and device against the shard
@@ -355,12 +366,12 @@ def _build(params: list[torch.Tensor], keys: frozenset[str], state: dict[Any, di
     library's DTensor (torch's fully_shard, tensor parallel: the whole group stays on DTensor). None,
     to try again next step, when a state is missing (the step would create it: let DTensor do that, on
     the first step) or a gradient or state is laid out unlike its parameter."""
-    with _track_lock:
-        owned = {id(sp.sharded_param): sp for sp in _tracked}
+    with _hooks.lock:
+        owned = {id(sp.sharded_param): sp for sp in _hooks.tracked}
     local_params: list[torch.Tensor] = []
     slots = []
     with_grad: list[torch.Tensor] = []
-    _views_with_grad().append(with_grad)
+    _hooks.views_with_grad().append(with_grad)
     mirrored = True
     for p in params:
         sp = owned.get(id(p))
@@ -394,6 +405,6 @@ def _view(p: torch.Tensor) -> tuple[torch.Tensor, int]:
     """A view of ``p``'s local shard and the token marking it on ``p``: ``torch.utils.swap_tensors``
     (``to_empty``, ``.to()``) swaps ``__dict__`` along with the contents, so the token leaves with them."""
     view = p.to_local()  # type: ignore[attr-defined]  # a fresh view (not the DTensor's own) for a Parameter
-    token = next(_tokens)
+    token = next(_hooks.tokens)
     setattr(p, TOKEN_ATTR, token)
     return view, token

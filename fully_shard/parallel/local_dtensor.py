@@ -20,7 +20,9 @@ from torch.distributed.tensor import DTensor
 
 __all__ = ["like", "local_of", "read_local"]
 
-_direct: bool | None = None  # None: not checked yet in this process
+# Whether torch's private constructor gives what from_local gives: a fact about the running torch, so
+# module-level and checked once per process (design/overview.md, "Module-level state"); None: not yet
+_direct: bool | None = None
 
 
 def like(local: torch.Tensor, model: DTensor) -> DTensor:

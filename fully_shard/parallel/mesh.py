@@ -1,14 +1,17 @@
 """Mesh handling: which ranks a unit shards and replicates over, its k-rank subgroups, and its device.
 
 See design/hsdp-and-partial-reshard.md. ``MeshInfo`` is what every unit reads of its mesh (a 1-D
-``(shard,)`` or 2-D ``(replicate, shard)`` ``DeviceMesh``). The two caches below create process groups
-(``dist.new_group`` and ``DeviceMesh`` construction are collectives), so each is filled once per rank
-set. They are keyed by the world process group and this rank as well: several ranks living in one
-process (a threaded process group) each get their own groups instead of sharing one by accident.
+``(shard,)`` or 2-D ``(replicate, shard)`` ``DeviceMesh``). The process groups and meshes made here
+(``dist.new_group`` and ``DeviceMesh`` construction are collectives) are made once per rank set and kept
+in ``_Made``, one per world process group and rank: several ranks living in one process (a threaded
+process group) each get their own groups instead of sharing one by accident.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,18 +147,58 @@ def flatten_dims(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     return mesh[names]._flatten("_".join(names))
 
 
-_SINGLETONS: dict[tuple[object, int], dist.ProcessGroup] = {}
+_Grid = tuple[tuple[int, ...], ...]
+
+
+@dataclass(eq=False)
+class _Made:
+    """The process groups and meshes this rank made in its world, each made once and then shared by every
+    fully_shard call (so a model's parameters share one mesh object, and no group is made twice)."""
+
+    singleton: dist.ProcessGroup | None = None  # this rank alone (singleton_group)
+    # k-rank subgroups by (the shard groups' grid, k): this rank's, None where it is in none (subgroup)
+    subgroups: dict[tuple[_Grid, int], dist.ProcessGroup | None] = dataclasses.field(default_factory=dict)
+    # (W, 1) meshes by (device type, ranks) (replicate_mesh)
+    replicate_meshes: dict[tuple[str, tuple[int, ...]], DeviceMesh] = dataclasses.field(default_factory=dict)
+    # dp x tp meshes by (dp, tp) (concatenate_meshes); joined slices by the list (concatenate)
+    combined: dict[tuple[DeviceMesh, DeviceMesh], DeviceMesh] = dataclasses.field(default_factory=dict)
+    concatenated: dict[tuple[DeviceMesh, ...], DeviceMesh] = dataclasses.field(default_factory=dict)
+    # other meshes made once by a caller's key (mesh_once: the FSDP1 front end's hybrid meshes)
+    meshes: dict[tuple[Any, ...], DeviceMesh] = dataclasses.field(default_factory=dict)
+
+
+# Module-level because process groups are process-wide: ``new_group`` is a collective that every rank of the
+# world calls alike, so what one fully_shard call made must be found by the next (design/overview.md,
+# "Module-level state"). Keyed by the world's default process group (a new ``init_process_group`` starts
+# empty; a destroyed world's entry goes with its object) and by rank (a threaded process group).
+_WORLDS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, _Made]] = weakref.WeakKeyDictionary()
+
+
+def _made() -> _Made:
+    """What this rank has made in its world so far."""
+    world = dist.group.WORLD
+    assert world is not None, "fully_shard's meshes need torch.distributed initialized"
+    return _WORLDS.setdefault(world, {}).setdefault(dist.get_rank(), _Made())
+
+
+def mesh_once(key: tuple[Any, ...], make: Callable[[], DeviceMesh]) -> DeviceMesh:
+    """The mesh ``make()`` builds, made once per ``key`` in this rank's world and shared afterwards (every
+    rank calls this alike: making a mesh can be a collective)."""
+    meshes = _made().meshes
+    if key not in meshes:
+        meshes[key] = make()
+    return meshes[key]
 
 
 def singleton_group() -> dist.ProcessGroup:
     """A process group of this rank alone (the shard group of a DDP-like unit: no collective runs on
     it), created locally once per rank: only its one member takes part."""
-    key = _world_key()
-    if key not in _SINGLETONS:
+    made = _made()
+    if made.singleton is None:
         group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
         assert group is not None
-        _SINGLETONS[key] = group
-    return _SINGLETONS[key]
+        made.singleton = group
+    return made.singleton
 
 
 @dataclass(frozen=True)
@@ -240,17 +283,7 @@ class MeshInfo:
         return SubgroupInfo(self.shard_group, self.shard_rank, self.shard_world)
 
 
-# --- the two process-group caches ----------------------------------------------------------------
-_Grid = tuple[tuple[int, ...], ...]
-_SUBGROUPS: dict[tuple[object, int, _Grid, int], dist.ProcessGroup | None] = {}
-_REPLICATE_MESHES: dict[tuple[object, int, str, tuple[int, ...]], DeviceMesh] = {}
-
-
-def _world_key() -> tuple[object, int]:
-    """This rank in its world: the default process group object and the global rank."""
-    return dist.group.WORLD, dist.get_rank()
-
-
+# --- the groups and meshes made once (_Made) ------------------------------------------------------
 def subgroup(mesh: DeviceMesh, info: MeshInfo,
              reshard_after_forward: bool | int | None) -> SubgroupInfo | None:
     """Create (collectively, once per mesh and k) the k-rank subgroups of every shard group; return
@@ -259,9 +292,10 @@ def subgroup(mesh: DeviceMesh, info: MeshInfo,
     if k is None or isinstance(k, bool) or k in (1, info.shard_world):
         return None
     grid = mesh.mesh.reshape(-1, info.shard_world).tolist()
-    key = (*_world_key(), tuple(tuple(row) for row in grid), k)
+    key = (tuple(tuple(row) for row in grid), k)
     me = dist.get_rank()
-    if key not in _SUBGROUPS:
+    subgroups = _made().subgroups
+    if key not in subgroups:
         mine = None
         for row in grid:
             for start in range(0, len(row), k):
@@ -269,8 +303,8 @@ def subgroup(mesh: DeviceMesh, info: MeshInfo,
                 pg = dist.new_group(ranks)
                 if me in ranks:
                     mine = pg
-        _SUBGROUPS[key] = mine
-    pg = _SUBGROUPS[key]
+        subgroups[key] = mine
+    pg = subgroups[key]
     assert pg is not None
     return SubgroupInfo(pg, dist.get_rank(pg), k)
 
@@ -278,14 +312,11 @@ def subgroup(mesh: DeviceMesh, info: MeshInfo,
 def replicate_mesh(base: DeviceMesh) -> DeviceMesh:
     """The (W, 1) ('replicate', 'shard') mesh over the ranks of ``base`` (created once per rank set)."""
     ranks = tuple(int(r) for r in base.mesh.reshape(-1).tolist())
-    key = (*_world_key(), base.device_type, ranks)
-    if key not in _REPLICATE_MESHES:
-        _REPLICATE_MESHES[key] = DeviceMesh(base.device_type, base.mesh.reshape(-1, 1),
-                                            mesh_dim_names=("replicate", "shard"))
-    return _REPLICATE_MESHES[key]
-
-
-_COMBINED: dict[tuple[object, int, DeviceMesh, DeviceMesh], DeviceMesh] = {}
+    key = (base.device_type, ranks)
+    meshes = _made().replicate_meshes
+    if key not in meshes:
+        meshes[key] = DeviceMesh(base.device_type, base.mesh.reshape(-1, 1), mesh_dim_names=("replicate", "shard"))
+    return meshes[key]
 
 
 def concatenate_meshes(dp: DeviceMesh, tp: DeviceMesh, fqn: str) -> DeviceMesh:
@@ -294,9 +325,9 @@ def concatenate_meshes(dp: DeviceMesh, tp: DeviceMesh, fqn: str) -> DeviceMesh:
 
     ``concatenate`` joins them; ``root_mesh`` tells whether they share a root. Errors name the parameter
     ``fqn`` and the fix."""
-    key = (*_world_key(), dp, tp)
-    if key in _COMBINED:
-        return _COMBINED[key]
+    made = _made()
+    if (dp, tp) in made.combined:
+        return made.combined[dp, tp]
     dp_names, tp_names = dp.mesh_dim_names or (), tp.mesh_dim_names or ()
     overlap = sorted(set(dp_names) & set(tp_names))
     shared_ranks = set(dp.mesh.reshape(-1).tolist()) & set(tp.mesh.reshape(-1).tolist())
@@ -322,11 +353,8 @@ def concatenate_meshes(dp: DeviceMesh, tp: DeviceMesh, fqn: str) -> DeviceMesh:
                          f"DTensor's mesh {describe_mesh(tp)} ({e}). Fix: slice both from one init_device_mesh(...), "
                          "data-parallel "
                          "dims first.") from None
-    _COMBINED[key] = combined
+    made.combined[dp, tp] = combined
     return combined
-
-
-_CONCATENATED: dict[tuple[object, ...], DeviceMesh] = {}
 
 
 def concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
@@ -336,10 +364,10 @@ def concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
     parameters); this is its one use. Raises torch's RuntimeError for overlapping slices."""
     if len(meshes) == 1:
         return meshes[0]
-    key = (*_world_key(), *meshes)
-    if key not in _CONCATENATED:
-        _CONCATENATED[key] = DeviceMesh._concatenate(list(meshes))
-    return _CONCATENATED[key]
+    key, concatenated = tuple(meshes), _made().concatenated
+    if key not in concatenated:
+        concatenated[key] = DeviceMesh._concatenate(list(meshes))
+    return concatenated[key]
 
 
 def describe_mesh(mesh: DeviceMesh) -> str:

@@ -173,7 +173,7 @@ def _fsdp_placement(shard_dim: int, ndim: int, later: list[tuple[int, Placement]
         raise NotImplementedError(
             f"this parameter's FSDP dim {shard_dim} is also sharded by tensor parallel, which needs torch's "
             "private _StridedShard placement; this torch has none at torch.distributed.tensor.placement_types. "
-            "Fix: use the torch this library was tested with (README), or shard the parameter on another dim "
+            "Fix: use the torch this library was tested with (docs/torch.md), or shard the parameter on another dim "
             "with shard_placement_fn.")
     return _StridedShard(shard_dim, split_factor=split)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from .records import Collective, StepStats, UnitStats
+from .measurements import Collective, StepStats, UnitStats
 
 _SUMS = ("count", "bytes", "time_s", "exposed_s")
 

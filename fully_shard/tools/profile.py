@@ -43,8 +43,8 @@ import torch.nn as nn
 from ..comm import trace
 from ..core.state import FSDPState, states_under
 from . import export
+from .measurements import Collective, CommStats, StepStats, UnitStats
 from .memory import current_memory, peak_memory, reset_peak_memory
-from .records import Collective, CommStats, StepStats, UnitStats
 from .timing import synchronize
 
 _COLLECTIVES = (trace.EventKind.ALL_GATHER, trace.EventKind.REDUCE_SCATTER, trace.EventKind.ALL_REDUCE,

@@ -13,7 +13,7 @@ import xxhash
 
 _CHUNK = 1 << 20  # 16-bit words summed per step (the products stay below 2**31, a chunk's sum below 2**51)
 _PRIME = (1 << 61) - 1
-_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}  # process-wide: the checksum's fixed weights per device, made once
 
 
 def name_for(device: torch.device) -> str:

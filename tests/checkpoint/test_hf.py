@@ -83,7 +83,7 @@ def _count_io() -> Iterator[dict[str, Any]]:
     seen: dict[str, Any] = {"read": 0, "wanted": 0, "scratch": 0, "keys": set()}
     lock, in_box = threading.Lock(), threading.local()
     read_into, read_box, scratch = DataFile.read_into, DataFile.read_box, hf_load.scratch
-    copy_direct, read_range, get = hf_load._Plan._copy_direct, hf_load.read_range, direct.AlignedArena.get
+    copy_direct, read_range, get = hf_load._ReadPlan._copy_direct, hf_load.read_range, direct.AlignedArena.get
 
     def counted_read(self: DataFile, buf: memoryview, offset: int) -> None:
         if getattr(in_box, "on", False):
@@ -127,7 +127,7 @@ def _count_io() -> Iterator[dict[str, Any]]:
 
     with mock.patch.object(DataFile, "read_into", counted_read), mock.patch.object(DataFile, "read_box", counted_box), \
             mock.patch.object(hf_load, "scratch", counted_scratch), \
-            mock.patch.object(hf_load._Plan, "_copy_direct", staticmethod(counted_direct)), \
+            mock.patch.object(hf_load._ReadPlan, "_copy_direct", staticmethod(counted_direct)), \
             mock.patch.object(hf_load, "read_range", counted_range), \
             mock.patch.object(direct.AlignedArena, "get", counted_get):
         yield seen

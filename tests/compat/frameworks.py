@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fully_shard.interop import compat
+from fully_shard import compat
 
 
 @contextlib.contextmanager

@@ -24,32 +24,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fully_shard import compat
 from tests.distributed.harness import distributed
-from tests.parallel.moe_common import DIM, TOKENS, MoEBlock, expert_parallel, sparse_meshes
+from tests.parallel.moe_common import TOKENS, VOCAB, Decoder, expert_parallel, sparse_meshes
 from tests.torch_ref import lacks_name
 
-VOCAB = 16
 # torch < 2.12: no ShardPlacementResult (torch's fully_shard has no per-parameter meshes); the ep path then
 # returns this library's ShardPlacement, and only this library runs it (against the unsharded model)
 TORCH_NO_PLACEMENT_RESULT = lacks_name("torch.distributed.fsdp._fully_shard._fsdp_common", "ShardPlacementResult")
-
-
-class Decoder(nn.Module):
-    """torchtitan's ``Decoder`` shape: tok_embeddings, layers (a ModuleDict of MoE blocks), norm, lm_head."""
-
-    def __init__(self, experts: int) -> None:
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleDict({str(i): MoEBlock(experts) for i in range(2)})
-        for layer in self.layers.values():
-            layer.moe_enabled = True
-        self.norm = nn.LayerNorm(DIM)
-        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers.values():
-            h = layer(h)
-        return self.lm_head(self.norm(h))
 
 
 def apply_fsdp_to_decoder(model: Decoder, dp_mesh: DeviceMesh, ep_degree: int, edp_mesh: DeviceMesh | None) -> None:

@@ -1,6 +1,6 @@
 """torch 2.13's FSDPModule surface beyond the common calls, side by side with torch's fully_shard where
 torch runs the same call on CPU/gloo (loss and grads within 1e-6), else against an analytic reference:
-divide factor, force-sum, unshard_in_backward, all-reduce hook, custom comms, unused params, reduce-
+divide factor, force-sum, unshard_in_backward, all-reduce hook, custom collectives, unused params, reduce-
 scatter buffers and group. The rest of the surface: test_surface_runtime.py."""
 
 from __future__ import annotations

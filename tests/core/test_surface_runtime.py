@@ -136,11 +136,11 @@ def _chunks(fs: Any, share: Any) -> dict[str, Any]:
 def _share() -> dict[str, Any]:
     from torch.distributed.fsdp import share_comm_ctx as torch_share
     ours, theirs = _chunks(fully_shard, share_comm_ctx), _chunks(_torch_fs(), torch_share)
-    comms = {id(m._fsdp.group.comm) for c in ours.pop("chunks") for m in c.modules() if isinstance(m, FSDPModule)}
+    comms = {id(m._fsdp.group.ctx) for c in ours.pop("chunks") for m in c.modules() if isinstance(m, FSDPModule)}
     theirs.pop("chunks")
     late = _chunks(fully_shard, lambda chunks: None)  # shared after the first steps
     share_comm_ctx(late["chunks"])
-    late_comms = {id(m._fsdp.group.comm) for c in late.pop("chunks") for m in c.modules()
+    late_comms = {id(m._fsdp.group.ctx) for c in late.pop("chunks") for m in c.modules()
                   if isinstance(m, FSDPModule)}
     return {"ours": ours, "torch": theirs, "comms": len(comms), "late_comms": len(late_comms)}
 

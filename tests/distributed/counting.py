@@ -7,7 +7,7 @@ from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fully_shard.tools.collectives import KINDS, CollectiveWatch
+from fully_shard.tools.watch import KINDS, CollectiveWatch
 
 
 class CountOps(TorchDispatchMode):

@@ -59,10 +59,17 @@ def _worker(rank: int, world: int, port: int, sys_path: list[str], conn: Any, ba
             fn = getattr(obj, _RANK_FN_ATTR, obj)
             torch.manual_seed(0)
             result = fn(*args, **kwargs)
-            conn.send(("ok", result))
+            conn.send(("ok", (result, _group_count())))
         except BaseException:
             conn.send(("err", traceback.format_exc()))
     dist.destroy_process_group()
+
+
+def _group_count() -> int:
+    """How many process groups this rank has made by name (torch's counter: every rank must make them alike)."""
+    from torch.distributed import distributed_c10d
+
+    return int(distributed_c10d._world.group_count)
 
 
 class RankPool:
@@ -94,6 +101,7 @@ class RankPool:
             conn.send(msg)
         deadline = time.monotonic() + timeout
         results: list[Any] = [None] * self.world
+        groups: list[int | None] = [None] * self.world
         errors: dict[int, str] = {}
         pending = set(range(self.world))
         while pending:
@@ -106,7 +114,7 @@ class RankPool:
                     status, value = conn.recv()
                     pending.discard(rank)
                     if status == "ok":
-                        results[rank] = value
+                        results[rank], groups[rank] = value
                     else:
                         errors[rank] = value
                 elif not self.procs[rank].is_alive():
@@ -125,6 +133,13 @@ class RankPool:
             for rank, tb in sorted(errors.items()):
                 lines.append(f"--- rank {rank}:\n{tb}")
             raise AssertionError("\n".join(lines))
+        if len(set(groups)) > 1:  # the pool is reused: its next world-wide new_group would hang, so fail here
+            self.kill()
+            _POOLS.pop(self.key, None)
+            raise AssertionError(
+                f"{fn.__qualname__} left its {self.world} ranks with different numbers of process groups made "
+                f"(per rank: {groups}): some ranks made a group (a DeviceMesh, new_group) the others did not. "
+                "Every rank of the world must make each group alike; make the mesh on every rank.")
         return results
 
     def kill(self) -> None:
@@ -168,12 +183,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
 def distributed(world_size: int, timeout: float = DEFAULT_TIMEOUT_S,
                 backend: str = "gloo") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorate a module-level test: its body runs on ``world_size`` ranks (gloo, or nccl for GPU
-    tests) with a hard timeout."""
+    tests) with a hard timeout. A helper (not named test*) returns the per-rank results; a test returns None."""
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        is_test = fn.__name__.startswith("test")
+
         @functools.wraps(fn)
-        def test(*args: Any, **kwargs: Any) -> list[Any]:
-            return run_ranks(fn, world_size, *args, timeout=timeout, backend=backend, **kwargs)
+        def test(*args: Any, **kwargs: Any) -> list[Any] | None:
+            results = run_ranks(fn, world_size, *args, timeout=timeout, backend=backend, **kwargs)
+            return None if is_test else results  # pytest wants None from a test; a helper gives the results
 
         setattr(test, _RANK_FN_ATTR, fn)
         return test

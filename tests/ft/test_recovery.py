@@ -237,7 +237,7 @@ def test_a_state_that_does_not_fit_is_refused_whole() -> None:
 def test_torchft_thread_reads_the_capture_without_touching_fsdp() -> None:
     """The quorum thread asks for the state in the middle of a forward (units unsharded): it gets the
     step-boundary references, no unit is resharded, no collective runs; a load on that thread is refused."""
-    from fully_shard.tools.collectives import CollectiveWatch
+    from fully_shard.tools.watch import CollectiveWatch
 
     class Count(CollectiveWatch):
         def __init__(self) -> None:

@@ -98,7 +98,7 @@ def _copy_in_on_side_stream() -> dict[str, object]:
     # all-gather copy-in (a cat into the gathered buffer) runs on its own stream, not the compute one
     assert gemm_streams and cat_streams - gemm_streams, (gemm_streams, cat_streams)
     streams_by_kind = {"gemm": gemm_streams, "cat": cat_streams}
-    ctx = model._fsdp.root.comm
+    ctx = model._fsdp.root.ctx
     assert ctx.accelerated
     side = {ctx.all_gather_copy_in_stream.cuda_stream, ctx.all_gather_stream.cuda_stream,
             ctx.reduce_scatter_stream.cuda_stream}

@@ -22,8 +22,8 @@ COLLECTIVES = {
 # design/overview.md: the runtime's collectives live in comm/; the checkpoint package (its control plane with its
 # own gloo group and deadlines; save_hf's point-to-point assembly of whole tensors) and the tools' measurements
 # call torch.distributed themselves, and so does the weight sync's wire (point-to-point to receivers, bounded waits)
-COLLECTIVE_HOMES = ("comm/", "checkpoint/comm.py", "checkpoint/hf_save.py", "tools/timing.py", "tools/tune/worker.py",
-                    "weights/wire.py")
+COLLECTIVE_HOMES = ("comm/", "checkpoint/control.py", "checkpoint/hf_save.py", "tools/timing.py",
+                    "tools/tune/worker.py", "weights/wire.py")
 # design/streams.md: the core orders streams only through CommContext's verbs
 STREAM_CALLS = {"wait_stream", "record_event", "wait_event", "stream", "current_stream", "on", "synchronize"}
 
@@ -77,3 +77,29 @@ def test_the_scans_see_what_they_look_for() -> None:
     assert any(".all_reduce" in c for c in _collective_calls(ROOT / "comm" / "collectives.py"))
     found = {c.rsplit(".", 1)[1] for c in _stream_calls(ROOT / "comm" / "streams.py")}
     assert {"wait_stream", "record_event", "wait_event", "stream"} <= found, found
+
+
+def _test_module_imports(path: Path) -> list[str]:
+    """``from tests.x.test_y import ...`` / ``from tests.x import test_y`` / ``import tests.x.test_y``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "tests":
+            parts = node.module.split(".") + [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            parts = [p for a in node.names if a.name.split(".")[0] == "tests" for p in a.name.split(".")]
+        else:
+            continue
+        if any(p.startswith("test_") for p in parts):
+            found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_benchmarks_take_shared_models_from_one_place_not_from_test_modules() -> None:
+    """A benchmark or by-hand check that needs the tests' models imports their shared module
+    (tests/parallel/moe_common.py, moe_parity.py, tp_common.py, the harness), never a test file."""
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    stray = [imp for path in sorted(bench.glob("*.py")) for imp in _test_module_imports(path)]
+    assert not stray, "benchmarks import from test modules:\n" + "\n".join(stray)
+    probe = Path(__file__).resolve().parent / "test_homes.py"
+    assert _test_module_imports(probe) == [], "this file imports no test module"
+    assert _test_module_imports.__doc__ and "tests.x import test_y" in _test_module_imports.__doc__

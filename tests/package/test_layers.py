@@ -19,7 +19,7 @@ LAYERS = {"parallel": 0, "comm": 1, "core": 2, "optim": 3, "checkpoint": 4, "ft"
           "interop": 6, "tools": 6, "": 7}
 # "": fully_shard/__init__.py and the entry points beside it (compat.py, tune.py)
 # wrap/ sits above checkpoint/ and optim/: FSDP1's FullyShardedDataParallel (wrap/fsdp1/) gives its state dicts
-# and clip_grad_norm_ through them; interop/compat.py above wrap/ rebinds torch's FSDP1 class to it. weights/ reads
+# and clip_grad_norm_ through them; interop/patch.py above wrap/ rebinds torch's FSDP1 class to it. weights/ reads
 # the units (core/) and names through checkpoint/'s key maps.
 
 

@@ -146,6 +146,28 @@ class MoEModel(nn.Module):
         return self.head(x).sum(-1)
 
 
+VOCAB = 16
+
+
+class Decoder(nn.Module):
+    """torchtitan's ``Decoder`` shape: tok_embeddings, layers (a ModuleDict of MoE blocks), norm, lm_head."""
+
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleDict({str(i): MoEBlock(experts) for i in range(2)})
+        for layer in self.layers.values():
+            layer.moe_enabled = True
+        self.norm = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.lm_head(self.norm(h))
+
+
 def expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> Any:
     """Experts ``Shard(0)`` DTensors on ``ep_mesh`` (what torchtitan's ``parallelize`` does before FSDP)."""
     for experts in [m for m in model.modules() if isinstance(m, GroupedExperts)]:

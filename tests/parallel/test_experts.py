@@ -14,15 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
-from fully_shard import ShardPlacement, clip_grad_norm_, fully_shard, total_grad_norm
+from fully_shard import ShardPlacement, fully_shard
 from fully_shard.comm import trace
 from tests.distributed.harness import distributed
+from tests.parallel import moe_parity as P
 from tests.parallel.moe_common import (
-    TOKENS,
     MoEModel,
     batch,
     expert_parallel,
@@ -31,171 +30,26 @@ from tests.parallel.moe_common import (
     local,
     sparse_meshes,
 )
-from tests.torch_ref import lacks_name
+from tests.parallel.moe_parity import TORCH_NO_PLACEMENT_RESULT, TORCH_NO_RECORDS
 
 TIMEOUT_S = 300
-# torch < 2.12: no per-parameter meshes in torch's fully_shard; ours runs with its own ShardPlacement instead
-TORCH_NO_PLACEMENT_RESULT = lacks_name("torch.distributed.fsdp._fully_shard._fsdp_common", "ShardPlacementResult")
-TORCH_NO_RECORDS = TORCH_NO_PLACEMENT_RESULT and TORCH_NO_PLACEMENT_RESULT.replace(
-    "the torch-side comparison", "ShardPlacementResult's case")
-
-
-def _torch_fully_shard() -> Any:
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    return torch_fully_shard
-
-
-def _torchtitan_fn(model: MoEModel, dense: Any, edp: Any, ep: int) -> Callable[[nn.Parameter], Any]:
-    """torchtitan's ``apply_fsdp_to_decoder`` shard_placement_fn for ep > 1 (torch's private records)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
-
-    dp_info, edp_info = _get_mesh_info(dense), _get_mesh_info(edp)
-    experts = model.layers[0].experts.num_experts
-    efsdp = edp.size(edp.ndim - 1)
-
-    def fn(p: nn.Parameter) -> Any:
-        if is_expert(p):
-            return ShardPlacementResult(Shard(1) if efsdp * ep > experts else Shard(0), edp_info)
-        return ShardPlacementResult(Shard(0), dp_info)
-
-    return fn
-
-
-def _ours_fn(model: MoEModel, edp: Any, ep: int) -> Callable[[nn.Parameter], Any]:
-    """The same with this library's public ``ShardPlacement`` (None: Shard(0) on the call's mesh)."""
-    experts = model.layers[0].experts.num_experts
-    efsdp = edp.size(edp.ndim - 1)
-
-    def fn(p: nn.Parameter) -> Any:
-        if is_expert(p):
-            return ShardPlacement(Shard(1) if efsdp * ep > experts else Shard(0), mesh=edp)
-        return None
-
-    return fn
-
-
-def _shard(model: MoEModel, shard: Any, dense: Any, fn: Callable[[nn.Parameter], Any] | None) -> MoEModel:
-    for layer in model.layers:
-        shard(layer, mesh=dense, shard_placement_fn=fn)
-    shard(model, mesh=dense)
-    return model
-
-
-def _layout(model: nn.Module) -> dict[str, Any]:
-    return {n: (tuple(p.placements), tuple(p.shape), p.device_mesh.mesh_dim_names) for n, p in model.named_parameters()}
-
-
-def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], scale: dict[str, float] | None = None) -> float:
-    assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max((a[n] - b[n] * (scale or {}).get(n, 1.0)).abs().max().item() for n in a)
-
-
-def _mean_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(model(x).float(), y)
-
-
-def _ref_grads(base: MoEModel, x: torch.Tensor, y: torch.Tensor) -> tuple[dict[str, torch.Tensor], float]:
-    ref = copy.deepcopy(base)
-    _mean_loss(ref, x, y).backward()
-    norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item()
-    return full_grads(ref), norm
-
-
-def _fn(model: MoEModel, dense: Any, edp: Any, ep: int) -> Callable[[nn.Parameter], Any]:
-    """torchtitan's records where this torch has them, else this library's ShardPlacement."""
-    return _ours_fn(model, edp, ep) if TORCH_NO_PLACEMENT_RESULT else _torchtitan_fn(model, dense, edp, ep)
-
-
-def _setup(experts: int, efsdp: int, ep: int,
-           replicate: int = 1) -> tuple[MoEModel, MoEModel, MoEModel | None, Any, Any]:
-    dense, edp, ep_mesh = sparse_meshes(efsdp, ep, replicate)
-    base = MoEModel(experts)
-    ours = _shard(expert_parallel(copy.deepcopy(base), ep_mesh), fully_shard, dense, _fn(base, dense, edp, ep))
-    theirs = None if TORCH_NO_PLACEMENT_RESULT else _shard(expert_parallel(copy.deepcopy(base), ep_mesh),
-                                                           _torch_fully_shard(), dense,
-                                                           _torchtitan_fn(base, dense, edp, ep))
-    return base, ours, theirs, dense, edp
-
-
-def _default_divisor(base: MoEModel, ours: MoEModel, theirs: MoEModel | None, ep: int) -> dict[str, Any]:
-    """Mean loss over each rank's tokens, default divisor: ours equals the unsharded model on the global
-    batch; torch's expert gradients are ep times too large (pytorch #160285)."""
-    world = dist.get_world_size()
-    x, y = batch(1, world)
-    ref, ref_norm = _ref_grads(base, x, y)
-    models = [m for m in (ours, theirs) if m is not None]
-    for m in models:
-        _mean_loss(m, local(x), local(y)).backward()
-    got = full_grads(ours)
-    scale = {n: float(ep) for n in ref if ".experts." in n}
-    norm = total_grad_norm(list(ours.parameters())).item()
-    clipped = clip_grad_norm_(list(ours.parameters()), max_norm=ref_norm / 2).item()
-    clipped_norm = total_grad_norm(list(ours.parameters())).item()
-    placements = {n: tuple(p.grad.placements) for n, p in ours.named_parameters() if ".experts." in n}
-    out: dict[str, Any] = {"grad_vs_ref": _diff(got, ref), "norm": (norm, ref_norm, clipped, clipped_norm),
-                           "expert_grad_placements": placements}
-    if theirs is not None:
-        torch_got = full_grads(theirs)
-        out.update(torch_vs_ref_times_ep=_diff(torch_got, ref, scale), torch_vs_ref=_diff(torch_got, ref))
-    for m in models:
-        m.zero_grad()
-    return out
-
-
-def _factor_one_steps(ours: MoEModel, theirs: MoEModel | None, base: MoEModel,
-                      steps: int = 3) -> list[tuple[float, ...]]:
-    """torchtitan's convention: factor 1.0 on every unit, loss = sum / global token count. Losses of ours,
-    torch's and the unsharded model (global batch, mean loss) step by step (SGD)."""
-    world = dist.get_world_size()
-    models = [m for m in (ours, theirs) if m is not None]
-    for m in models:
-        for module in m.modules():
-            if hasattr(module, "set_gradient_divide_factor"):
-                module.set_gradient_divide_factor(1.0)
-                if m is theirs:  # torch's factor needs NCCL's PREMUL_SUM unless forced to SUM (gloo)
-                    module.set_force_sum_reduction_for_comms(True)
-    ref = copy.deepcopy(base)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (*models, ref)]
-    losses = []
-    for step in range(steps):
-        x, y = batch(10 + step, world)
-        row = []
-        for m, opt in zip(models, opts):
-            loss = F.mse_loss(m(local(x)), local(y), reduction="sum") / (world * TOKENS)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            row.append(total.item())
-        loss = _mean_loss(ref, x, y)
-        loss.backward()
-        opts[-1].step()
-        opts[-1].zero_grad()
-        row.append(loss.item())
-        losses.append(tuple(row))
-    return losses
-
-
 # --- parity: (efsdp 2, ep 2), E = 4 ---------------------------------------------------------------------
 @distributed(world_size=4, timeout=TIMEOUT_S)
 def _parity() -> dict[str, Any]:
-    base, ours, theirs, dense, edp = _setup(experts=4, efsdp=2, ep=2)
-    out: dict[str, Any] = {"layout": _layout(ours)}
+    base, ours, theirs, dense, edp = P.setup(experts=4, efsdp=2, ep=2)
+    out: dict[str, Any] = {"layout": P.layout(ours)}
     if theirs is not None:
-        out["torch_layout"] = _layout(theirs)
-    out.update(_default_divisor(base, ours, theirs, ep=2))
+        out["torch_layout"] = P.layout(theirs)
+    out.update(P.default_divisor(base, ours, theirs, ep=2))
     out["groups"] = [(g.fqn, len(g.params), g.mesh_info.shard_world) for g in ours.layers[0]._fsdp.groups]
     ours.layers[0].unshard()
     out["to_local"] = tuple(ours.layers[0].experts.w1.to_local().shape)
     ours.layers[0].reshard()
     # our own API gives the same layout
     dense2, edp2, ep2 = sparse_meshes(2, 2)
-    mine = _shard(expert_parallel(copy.deepcopy(base), ep2), fully_shard, dense2, _ours_fn(base, edp2, 2))
-    out["ours_api_layout"] = _layout(mine)
-    out["losses"] = _factor_one_steps(ours, theirs, base)
+    mine = P.shard_model(expert_parallel(copy.deepcopy(base), ep2), fully_shard, dense2, P.ours_fn(base, edp2, 2))
+    out["ours_api_layout"] = P.layout(mine)
+    out["losses"] = P.factor_one_steps(ours, theirs, base)
     return out
 
 
@@ -232,27 +86,27 @@ def _variant(experts: int, efsdp: int, ep: int, **mp: Any) -> dict[str, Any]:
 
     dense, edp, ep_mesh = sparse_meshes(efsdp, ep)
     base = MoEModel(experts, layers=1)
-    fn = _fn(base, dense, edp, ep)
+    fn = P.placement_fn(base, dense, edp, ep)
     ours = expert_parallel(copy.deepcopy(base), ep_mesh)
     for layer in ours.layers:
         fully_shard(layer, mesh=dense, shard_placement_fn=fn, mp_policy=MixedPrecisionPolicy(**mp))
     fully_shard(ours, mesh=dense, mp_policy=MixedPrecisionPolicy(**mp))
     x, y = batch(3, dist.get_world_size())
-    ref, _ = _ref_grads(base, x, y)
-    _mean_loss(ours, local(x), local(y)).backward()
-    out: dict[str, Any] = {"layout": _layout(ours), "grad_vs_ref": _diff(full_grads(ours), ref),
+    ref, _ = P.ref_grads(base, x, y)
+    P.mean_loss(ours, local(x), local(y)).backward()
+    out: dict[str, Any] = {"layout": P.layout(ours), "grad_vs_ref": P.diff(full_grads(ours), ref),
                            "local": tuple(ours.layers[0].experts.w1.to_local().shape),
                            "grad_dtype": ours.layers[0].experts.w1.grad.dtype}
     if TORCH_NO_PLACEMENT_RESULT:
         return out
     theirs = expert_parallel(copy.deepcopy(base), ep_mesh)
-    torch_fs = _torch_fully_shard()
+    torch_fs = P.torch_fully_shard()
     for layer in theirs.layers:
         torch_fs(layer, mesh=dense, shard_placement_fn=fn, mp_policy=TorchMP(**mp))
     torch_fs(theirs, mesh=dense, mp_policy=TorchMP(**mp))
-    _mean_loss(theirs, local(x), local(y)).backward()
+    P.mean_loss(theirs, local(x), local(y)).backward()
     scale = {n: float(ep) for n in ref if ".experts." in n}
-    return {**out, "torch_layout": _layout(theirs), "torch_vs_ref_times_ep": _diff(full_grads(theirs), ref, scale)}
+    return {**out, "torch_layout": P.layout(theirs), "torch_vs_ref_times_ep": P.diff(full_grads(theirs), ref, scale)}
 
 
 @distributed(world_size=4, timeout=TIMEOUT_S)
@@ -287,29 +141,29 @@ def _two_groups() -> dict[str, Any]:
 
     dense, edp, ep_mesh = sparse_meshes(2, 2)
     base = MoEModel(4)
-    model = _shard(expert_parallel(copy.deepcopy(base), ep_mesh), fully_shard, dense, _ours_fn(base, edp, 2))
+    model = P.shard_model(expert_parallel(copy.deepcopy(base), ep_mesh), fully_shard, dense, P.ours_fn(base, edp, 2))
     model.layers[0].set_modules_to_forward_prefetch([model.layers[1]])
     model.layers[1].set_modules_to_backward_prefetch([model.layers[0]])
     x, y = batch(4, dist.get_world_size())
-    _mean_loss(model, local(x), local(y)).backward()  # lazy init, forward order
+    P.mean_loss(model, local(x), local(y)).backward()  # lazy init, forward order
     model.zero_grad()
     with trace.record() as events:
-        _mean_loss(model, local(x), local(y)).backward()
+        P.mean_loss(model, local(x), local(y)).backward()
     order = [(e.short(), e.phase.value, e.prefetch) for e in events
              if e.kind in (trace.EventKind.ALL_GATHER, trace.EventKind.UNSHARD)]
-    ref, _ = _ref_grads(base, x, y)
+    ref, _ = P.ref_grads(base, x, y)
     got = full_grads(model)
     model.zero_grad()
     # per-group factor: experts summed (1.0), dense averaged
     model.layers[0].set_gradient_divide_factor(1.0, mesh=edp)
-    _mean_loss(model, local(x), local(y)).backward()
+    P.mean_loss(model, local(x), local(y)).backward()
     per_group = full_grads(model)
     model.zero_grad()
     with profile(model) as prof:
-        _mean_loss(model, local(x), local(y)).backward()
+        P.mean_loss(model, local(x), local(y)).backward()
     rows = sorted(u["unit"] for u in prof.units())
     model.zero_grad()
-    # beyond torch (which raises on several groups): custom comms and the all-reduce hook on two-group units
+    # beyond torch (which raises on several groups): custom collectives and the all-reduce hook on two-group units
     from tests.core.test_surface import _AllGather, _ReduceScatter
 
     model.layers[0].set_gradient_divide_factor(4.0)  # back to the default division for every group
@@ -317,11 +171,11 @@ def _two_groups() -> dict[str, Any]:
     model.layers[0].set_custom_all_gather(ag)
     model.layers[0].set_custom_reduce_scatter(rs)
     model.layers[1].set_all_reduce_hook(lambda t: t.mul_(2))
-    _mean_loss(model, local(x), local(y)).backward()
+    P.mean_loss(model, local(x), local(y)).backward()
     custom = full_grads(model)
     custom_diff = max((custom[n] - ref[n] * (2.0 if n.startswith("layers.1.") else 1.0)).abs().max().item()
                       for n in ref)
-    out: dict[str, Any] = {"order": order, "grad_vs_ref": _diff(got, ref), "rows": rows, "custom_diff": custom_diff,
+    out: dict[str, Any] = {"order": order, "grad_vs_ref": P.diff(got, ref), "rows": rows, "custom_diff": custom_diff,
                            "custom_calls": (ag.calls, rs.calls, ag.used_own_buffers and rs.used_own_buffers),
                            "per_group": {n: (per_group[n] - ref[n] * (4.0 if "layers.0.experts" in n else 1.0))
                                          .abs().max().item() for n in ref}}
@@ -336,7 +190,7 @@ def _two_groups() -> dict[str, Any]:
 
     other_root = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp_b", "ep_b"))["efsdp_b"]
     attempt("other_root", lambda: fully_shard(expert_parallel(MoEModel(4, 1), ep_mesh).layers[0], mesh=dense,
-                                              shard_placement_fn=_ours_fn(base, other_root, 2)))
+                                              shard_placement_fn=P.ours_fn(base, other_root, 2)))
     dense_b = init_device_mesh("cpu", (4,), mesh_dim_names=("fsdp",))  # same process group as dense
     attempt("two_meshes", lambda: fully_shard(MoEModel(4, 1).layers[0], mesh=dense, shard_placement_fn=lambda p: (
         ShardPlacement(Shard(0), mesh=dense_b) if p.dim() == 2 else None)))
@@ -390,8 +244,8 @@ def test_two_groups_prefetch_factor_profile_and_bad_input() -> None:
 def _trained(base: MoEModel, efsdp: int, ep: int) -> MoEModel:
     dense, edp, ep_mesh = sparse_meshes(efsdp, ep)
     if ep == 1:  # no expert parallel: the experts are plain parameters sharded over dp like the rest
-        return _shard(copy.deepcopy(base), fully_shard, dense, None)
-    return _shard(expert_parallel(copy.deepcopy(base), ep_mesh), fully_shard, dense, _ours_fn(base, edp, ep))
+        return P.shard_model(copy.deepcopy(base), fully_shard, dense, None)
+    return P.shard_model(expert_parallel(copy.deepcopy(base), ep_mesh), fully_shard, dense, P.ours_fn(base, edp, ep))
 
 
 def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -415,7 +269,7 @@ def _checkpoints(path: str) -> dict[str, Any]:
     model = _trained(base, 2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     x, y = batch(5, dist.get_world_size())
-    _mean_loss(model, local(x), local(y)).backward()
+    P.mean_loss(model, local(x), local(y)).backward()
     opt.step()
     saved = _full_params(model)
     checkpoint.save(f"{path}/ckpt", model)
@@ -465,18 +319,18 @@ def _compiled_run(impl: str, compiled: bool) -> dict[str, Any]:
     dense, edp, ep_mesh = sparse_meshes(2, 2)
     base = MoEModel(4, layers=1)
     model = expert_parallel(copy.deepcopy(base), ep_mesh)
-    shard = fully_shard if impl == "ours" else _torch_fully_shard()  # (torch's divides experts differently)
+    shard = fully_shard if impl == "ours" else P.torch_fully_shard()  # (torch's divides experts differently)
     for layer in model.layers:
         layer.experts.traceable = True
         if compiled:
             layer.compile(backend="aot_eager", fullgraph=True)
-        shard(layer, mesh=dense, shard_placement_fn=_fn(base, dense, edp, 2))
+        shard(layer, mesh=dense, shard_placement_fn=P.placement_fn(base, dense, edp, 2))
     shard(model, mesh=dense)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(2):
         x, y = batch(20 + step, dist.get_world_size())
-        loss = _mean_loss(model, local(x), local(y))
+        loss = P.mean_loss(model, local(x), local(y))
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -191,7 +191,7 @@ def _unset_reduce_dtype() -> dict[str, Any]:
 
 def test_unset_reduce_dtype_follows_the_running_torch() -> None:
     """torch 2.15 reduces in the parameters' original dtype (fp32) where ``reduce_dtype`` is unset, older
-    torch in ``param_dtype`` (bf16): ours does what the torch it runs on does (README, "Differences"),
+    torch in ``param_dtype`` (bf16): ours does what the torch it runs on does (docs/torch.md, "Differences"),
     with its gradients and losses."""
     width = 4 if REDUCE_IN_ORIG_DTYPE else 2
     for r in _unset_reduce_dtype():

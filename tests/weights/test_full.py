@@ -17,8 +17,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedAllGather, fully_shard
 from fully_shard.checkpoint import Fuse, KeyMap, Stack
-from fully_shard.tools.collectives import CollectiveWatch
 from fully_shard.tools.memory import current_memory, peak_memory, reset_peak_memory
+from fully_shard.tools.watch import CollectiveWatch
 from fully_shard.weights import WeightSyncError, iter_full, iter_local, unshard
 from tests.distributed.counting import CountCollectives
 from tests.distributed.harness import distributed

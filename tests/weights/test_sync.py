@@ -38,12 +38,17 @@ def _compare(got: dict[str, torch.Tensor] | None, target: nn.Module | None, rece
 
 
 def _sync_loop(build_trainer: Any, build_receiver: Any, *, steps: int, vocab: int, dtype: torch.dtype | None = None,
-               key_map: Any = None, train: Any = None) -> list[Any]:
-    """Full send, then deltas after each step; every send compared bitwise. Returns the stats."""
+               key_map: Any = None, train: Any = None, meshes: Any = None) -> list[Any]:
+    """Full send, then deltas after each step; every send compared bitwise. Returns the stats.
+
+    ``meshes()`` runs on every rank, the receiver too (a mesh's process groups are made by every rank of the
+    world alike: a rank that skips one numbers its later groups differently, and the pool's next world-wide
+    ``new_group`` hangs); the trainers build their model from its result."""
     rank = dist.get_rank()
     stats = []
+    made = meshes() if meshes is not None else None
     if rank in TRAINERS:
-        model = build_trainer()
+        model = build_trainer(made) if meshes is not None else build_trainer()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         sender = Sender(model, group=None, dst=RECEIVER, dtype=dtype, key_map=key_map, delta=True, bucket_bytes=4096)
         for step in range(steps):
@@ -91,12 +96,11 @@ def test_plain_moe_full_then_deltas_bitwise() -> None:
     assert [s.mode for s in per_rank[RECEIVER]] == ["full", "delta", "delta"]
 
 
-def _odd_trainer() -> nn.Module:
+def _odd_trainer(mesh: DeviceMesh) -> nn.Module:
     """Uneven rows (7 over 2 ranks), a Shard(1) weight (a delta's box is a block of columns: strided in the
     receiver's tensor), a 0-dim scale, an ignored parameter and a buffer (plain tensors: the leader's)."""
     torch.manual_seed(0)
     model = Odd()
-    mesh = trainer_mesh(TRAINERS)
     fully_shard(model.b, mesh=mesh, shard_placement_fn=lambda p: Shard(1))
     fully_shard(model, mesh=mesh, ignored_params={model.pos})
     return model
@@ -118,7 +122,8 @@ def _odd_receiver() -> nn.Module:
 
 @distributed(world_size=3, timeout=400)
 def _odd_sync() -> list[Any]:
-    return _sync_loop(_odd_trainer, _odd_receiver, steps=3, vocab=0, train=_odd_train)
+    return _sync_loop(_odd_trainer, _odd_receiver, steps=3, vocab=0, train=_odd_train,
+                      meshes=lambda: trainer_mesh(TRAINERS))
 
 
 @pytest.mark.timeout(900)
@@ -193,13 +198,17 @@ EP_MAP = KeyMap(transforms=[Stack("layers.*.experts.w1", "layers.*.experts.#.w1"
                             Stack("layers.*.experts.w2", "layers.*.experts.#.w2")])
 
 
-def _ep_trainer() -> nn.Module:
+def _ep_meshes() -> tuple[DeviceMesh, DeviceMesh]:
+    """dp = {0, 1} and (efsdp=1, ep=2) over the trainers (made on every rank: mesh creation is collective)."""
+    return trainer_mesh(TRAINERS), DeviceMesh("cpu", torch.tensor([TRAINERS]), mesh_dim_names=("efsdp", "ep"))
+
+
+def _ep_trainer(meshes: tuple[DeviceMesh, DeviceMesh]) -> nn.Module:
     """Experts EP-sharded over ep = ranks {0, 1} ((_StridedShard(0, sf=2), Shard(0)) on (efsdp=1, ep=2)), the
     rest FSDP over dp = {0, 1}."""
     from tests.parallel import moe_common as moe
 
-    dense = trainer_mesh(TRAINERS)
-    sparse = DeviceMesh("cpu", torch.tensor([TRAINERS]), mesh_dim_names=("efsdp", "ep"))
+    dense, sparse = meshes
     torch.manual_seed(0)
     model = moe.expert_parallel(moe.MoEModel(), sparse["ep"])
     for layer in model.layers:
@@ -221,14 +230,12 @@ def _ep_train(model: nn.Module, opt: torch.optim.Optimizer, step: int, vocab: in
 
 @distributed(world_size=3, timeout=400)
 def _ep_sync() -> list[Any]:
+    meshes = _ep_meshes()
     if dist.get_rank() in TRAINERS:
-        probe = _ep_trainer()
-        w1 = probe.layers[0].experts.w1
+        w1 = _ep_trainer(meshes).layers[0].experts.w1
         assert isinstance(w1, DTensor) and w1.device_mesh.mesh_dim_names == ("efsdp", "ep"), w1
-    else:
-        DeviceMesh("cpu", torch.tensor([TRAINERS]), mesh_dim_names=("efsdp", "ep"))  # (mesh creation is collective)
-        trainer_mesh(TRAINERS)
-    return _sync_loop(_ep_trainer, _plain_per_expert, steps=3, vocab=0, key_map=EP_MAP, train=_ep_train)
+    return _sync_loop(_ep_trainer, _plain_per_expert, steps=3, vocab=0, key_map=EP_MAP, train=_ep_train,
+                      meshes=lambda: meshes)
 
 
 @pytest.mark.timeout(900)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fully_shard import FullyShardedDataParallel as FSDP
-from fully_shard.interop import compat
+from fully_shard import compat
 from tests.wrap.note import note_code, run_note
 
 

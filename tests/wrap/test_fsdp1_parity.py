@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from fully_shard import FullyShardedDataParallel as FSDP
-from fully_shard.interop import compat
+from fully_shard import compat
 from tests.distributed.harness import distributed
 from tests.wrap.common import both_note_models, full_state_dict, max_diff, rel_diffs
 from tests.wrap.note import note_code, run_note, train

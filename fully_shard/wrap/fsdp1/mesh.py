@@ -18,13 +18,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ...comm.collectives import all_gather_object
 from ...core.policy import ShardingStrategy
-from ...parallel.mesh import default_device_type
+from ...parallel.mesh import default_device_type, mesh_once
 from ..strategy import strategy_kwargs
 
 __all__ = ["Placement", "compute_device_type", "resolve_placement"]
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
-_HYBRID_MESHES: dict[tuple[Any, ...], DeviceMesh] = {}  # hybrid meshes made here, once per rank set / group pair
 
 
 @dataclass(frozen=True)
@@ -104,17 +103,16 @@ def _mesh_of_groups(process_group: Any, hybrid: bool, device_type: str) -> Devic
                          f"inter_node_group), got {process_group!r}. Fix: pass the pair, or "
                          "device_mesh=init_device_mesh(device, (num_nodes, ranks_per_node)).")
     intra, inter = process_group
-    key = (id(intra), id(inter), device_type)
-    if key in _HYBRID_MESHES:  # nested wrappers get the same pair: one exchange
-        return _HYBRID_MESHES[key]
-    world = dist.group.WORLD
-    assert world is not None  # (the default group exists: the pair was made from it)
-    rows = all_gather_object(dist.get_process_group_ranks(intra), world)  # every rank's shard group: the grid's rows
-    by_rank = {rank: tuple(row) for row in rows for rank in row}
-    grid = torch.tensor([by_rank[r] for r in dist.get_process_group_ranks(inter)], dtype=torch.int)
-    _HYBRID_MESHES[key] = DeviceMesh.from_group([inter, intra], device_type, mesh=grid,
-                                                mesh_dim_names=("replicate", "shard"))
-    return _HYBRID_MESHES[key]
+
+    def make() -> DeviceMesh:
+        world = dist.group.WORLD
+        assert world is not None  # (the default group exists: the pair was made from it)
+        rows = all_gather_object(dist.get_process_group_ranks(intra), world)  # every rank's shard group: the rows
+        by_rank = {rank: tuple(row) for row in rows for rank in row}
+        grid = torch.tensor([by_rank[r] for r in dist.get_process_group_ranks(inter)], dtype=torch.int)
+        return DeviceMesh.from_group([inter, intra], device_type, mesh=grid, mesh_dim_names=("replicate", "shard"))
+    # once per pair (the groups themselves are the key): nested wrappers get the same pair, one exchange
+    return mesh_once(("fsdp1 hybrid pair", intra, inter, device_type), make)
 
 
 def _default_hybrid_mesh(device_type: str) -> DeviceMesh:
@@ -126,8 +124,6 @@ def _default_hybrid_mesh(device_type: str) -> DeviceMesh:
         raise ValueError(f"FullyShardedDataParallel(HYBRID_SHARD): {world} ranks do not split into nodes of "
                          f"{per_node} ranks. Fix: pass device_mesh=init_device_mesh(device, (num_nodes, "
                          "ranks_per_node), mesh_dim_names=('replicate', 'shard')).")
-    key = (id(dist.group.WORLD), device_type, world, per_node)
-    if key not in _HYBRID_MESHES:
-        _HYBRID_MESHES[key] = init_device_mesh(device_type, (world // per_node, per_node),
-                                               mesh_dim_names=("replicate", "shard"))
-    return _HYBRID_MESHES[key]
+    return mesh_once(("fsdp1 hybrid default", device_type, world, per_node),
+                     lambda: init_device_mesh(device_type, (world // per_node, per_node),
+                                              mesh_dim_names=("replicate", "shard")))

@@ -538,21 +538,20 @@ def _cast_floats(dtype: torch.dtype, args: tuple, kwargs: dict) -> tuple[tuple, 
     return map_tensors(cast, args), map_tensors(cast, kwargs)
 
 
-_INPUT_DTYPE: dict[int, torch.dtype] = {}
-
-
 def _run_in_full_precision(module: nn.Module) -> None:
     """FSDP1's rule for MixedPrecision's ignored classes (BatchNorm): inputs cast to float32 before the
     module and its outputs back to the input dtype after."""
+    input_dtype: dict[str, torch.dtype] = {}  # this module's last floating input dtype (its hooks own it)
+
     def pre(mod: nn.Module, args: tuple) -> tuple:
         found = [t.dtype for t in _floats(args)]
         if found:
-            _INPUT_DTYPE[id(mod)] = found[0]
+            input_dtype["last"] = found[0]
         out: tuple = map_tensors(lambda t: t.to(torch.float32) if t.is_floating_point() else t, args)
         return out
 
     def post(mod: nn.Module, args: tuple, output: Any) -> Any:
-        dtype = _INPUT_DTYPE.get(id(mod))
+        dtype = input_dtype.get("last")
         if dtype is None:
             return output
         return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)

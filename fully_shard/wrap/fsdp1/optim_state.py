@@ -25,6 +25,7 @@ from ...checkpoint.state_dict import (
     torch_optimizer_state,
 )
 from ...checkpoint.views import describe, from_local_like, optimizer_params
+from ...comm import collectives
 from ...optim.originals import rebind_originals
 from .options import (
     FullOptimStateDictConfig,
@@ -155,8 +156,11 @@ def _full_of(sharded: Any, *, where: str) -> torch.Tensor:
     buffer = torch.zeros(max(numels), dtype=dtype, device=device)
     if mine:
         torch.cat(mine, out=buffer[: numels[me]])
-    gathered = [torch.empty_like(buffer) for _ in range(world)]
-    dist.all_gather(gathered, buffer)
+    out = torch.empty(world * buffer.numel(), dtype=dtype, device=device)
+    group = dist.group.WORLD
+    assert group is not None  # initialized: get_world_size above
+    collectives.all_gather_into(out, buffer, group)
+    gathered = out.view(world, -1)
     full = torch.empty(tuple(meta.size), dtype=dtype, device=device)
     offsets = [0] * world
     for s, r in zip(meta.shards_metadata, ranks):

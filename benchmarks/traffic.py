@@ -1,7 +1,7 @@
 """Communication benchmark: bytes per step vs the theoretical minimum per strategy; bandwidth vs raw.
 
-    python benchmarks/comm.py              # launches 2 ranks itself
-    torchrun --nproc_per_node 2 benchmarks/comm.py --steps 5
+    python benchmarks/traffic.py              # launches 2 ranks itself
+    torchrun --nproc_per_node 2 benchmarks/traffic.py --steps 5
 
 Bytes: the same GPT (6 blocks, d=256) trains under FULL_SHARD (reshard after forward), SHARD_GRAD_OP
 (keep gathered params until backward) and DDP; ``fully_shard.profile`` counts the all-gather and
@@ -21,7 +21,7 @@ and vs the all-gathers inside training steps (issue -> done, while compute compe
 
 Per mesh axis (``--hsdp``; 4 ranks by default, taken as 2 'nodes' of ``--ranks-per-node 2``):
 
-    python benchmarks/comm.py --hsdp
+    python benchmarks/traffic.py --hsdp
 
 bytes per optimizer step on each process group, counted at the dispatcher for every c10d collective the
 steps issue (and checked against the profiler's totals), for HSDP on the (nodes, ranks per node) mesh

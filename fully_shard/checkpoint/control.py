@@ -6,7 +6,7 @@ Without an initialized process group everything degrades to a one-rank no-op, so
 also work in a plain single process.
 
 ``phase`` is the rule that keeps errors from hanging a job: every phase of save/load runs inside
-``with comm.phase(what):``. At its end every rank reports to rank 0 (point to point, each wait bounded
+``with control.phase(what):``. At its end every rank reports to rank 0 (point to point, each wait bounded
 by ``timeout``) its phase label and its error if any; rank 0 answers every rank with one verdict. So
 every rank raises the same CheckpointError when any rank failed, when a rank did not arrive within the
 timeout (naming the ranks), or when ranks are in different calls (a different path, save vs load).
@@ -47,7 +47,7 @@ def as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedel
     return out
 
 
-class Comm:
+class Control:
     """The default process group (or a single process) as seen by the checkpoint code."""
 
     def __init__(self, timeout: datetime.timedelta | float | None = None) -> None:
@@ -59,12 +59,12 @@ class Comm:
         self.device = default_device() if self.on else torch.device("cpu")
 
     @classmethod
-    def single(cls) -> Comm:
+    def single(cls) -> Control:
         """A one-rank view, for single-process tools (consolidate) even inside a distributed job."""
-        comm = cls.__new__(cls)
-        comm.on, comm.rank, comm.world, comm.device = False, 0, 1, torch.device("cpu")
-        comm.timeout = DEFAULT_TIMEOUT
-        return comm
+        control = cls.__new__(cls)
+        control.on, control.rank, control.world, control.device = False, 0, 1, torch.device("cpu")
+        control.timeout = DEFAULT_TIMEOUT
+        return control
 
     @property
     def multi(self) -> bool:

@@ -1,4 +1,4 @@
-"""The profiler's records: one collective, per-kind totals, one unit in one step, one step."""
+"""The profiler's measurements: one collective, per-kind totals, one unit in one step, one step."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The optimizer step on local shards (fully_shard/optimizer.py) against torch's DTensor path, bitwise.
+"""The optimizer step on local shards (fully_shard/optim/step.py) against torch's DTensor path, bitwise.
 
 Every comparison trains two copies of one model in lockstep, one stepping on the default local path and
 one with ``set_step_path(StepPath.DTENSOR)``, and checks that the local path was really taken (a
