@@ -1,4 +1,4 @@
-"""Shared benchmark plumbing: self-launch under torchrun, the GPT model and its variants, timing, tables."""
+"""Shared benchmark plumbing: the GPT and its variants, timing, tables (launching: tests/distributed/launch.py)."""
 
 from __future__ import annotations
 
@@ -25,32 +25,9 @@ from examples.train_gpt import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa:
 from fully_shard import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from fully_shard.tools.timing import synchronize, timed_step  # noqa: E402, F401
 from fully_shard.tools.watch import KINDS, CollectiveWatch  # noqa: E402
+from tests.distributed.launch import init, launch_if_needed, rank0_print  # noqa: E402, F401
 
 VARIANTS = ("ours", "torch", "ddp")  # this library, torch's fully_shard, DistributedDataParallel
-
-
-def launch_if_needed(script: str, nproc: int, env: dict[str, str] | None = None) -> None:
-    """Not under torchrun: re-run ``script`` with the same arguments on ``nproc`` local ranks and exit."""
-    if "RANK" in os.environ:
-        return
-    from torch.distributed.run import main as torchrun
-
-    os.environ.update(env or {})
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("PYTHONPATH", str(ROOT))
-    torchrun(["--standalone", f"--nproc_per_node={nproc}", script, *sys.argv[1:]])
-    sys.exit(0)
-
-
-def init(backend: str | None = None) -> torch.device:
-    if torch.cuda.is_available() and backend != "gloo":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl")
-        return torch.device("cuda", local)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
 
 
 def add_model_args(ap: argparse.ArgumentParser, *, dim: int, blocks: int, heads: int, seq: int, vocab: int) -> None:
@@ -107,9 +84,6 @@ def header(columns: str, note: str = "") -> str:
     return f"{columns}{note}\n{'-' * len(columns)}"
 
 
-def rank0_print(*args: object) -> None:
-    if dist.get_rank() == 0:
-        print(*args, flush=True)
 
 
 def machine() -> str:

@@ -4,7 +4,7 @@ torchtitan is not installed here, so ``apply_fsdp_to_decoder`` below restates it
 ``distributed/fsdp.py``, ep > 1 path since its PR #2281); it is not torchtitan's file. Its calls are
 torchtitan's, and every name comes from torch's modules at call time (so after ``patch_torch()`` they are
 this library's), the private ``_get_mesh_info`` and ``ShardPlacementResult`` included. torchtitan's own
-file runs unchanged in ``benchmarks/torchtitan_moe.py`` (``pip install --no-deps torchtitan``; not in CI).
+file runs unchanged in ``tests/manual/torchtitan_moe.py`` (``pip install --no-deps torchtitan``; not in CI).
 The same function runs unpatched on torch's fully_shard for the side-by-side numbers. ``clip_with_ep``
 restates torchtitan's ``_clip_grad_norm_with_ep``. The sharding cases are those of torchtitan's
 ``tests/unit_tests/test_fsdp_moe_sharding.py`` at world 4."""

@@ -1,5 +1,5 @@
 """The expert-parallel parity setup shared by tests/parallel/test_experts.py and the 8-rank HSDP check
-benchmarks/hsdp_experts.py: the tiny MoE model sharded by this library and by torch's fully_shard with
+tests/manual/hsdp_experts.py: the tiny MoE model sharded by this library and by torch's fully_shard with
 torchtitan's placements, the unsharded reference, the default-divisor gradients and factor-1.0 losses."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """HSDP x tensor parallel on 8 CPU ranks: a (replicate=2, shard=2, tp=2) mesh, 3-D DTensor parameters.
 
-    python benchmarks/hsdp_tp.py [--steps 5]        # launches its own 8 gloo ranks (torchrun)
+    python tests/manual/hsdp_tp.py [--steps 5]        # launches its own 8 gloo ranks (torchrun)
 
 The same tiny TP transformer as tests/parallel (q/k/v/up colwise, o/down rowwise, plain norms) is
 trained with this library's and torch's fully_shard on mesh["replicate", "shard"] (TP on mesh["tp"])
@@ -17,14 +17,17 @@ import argparse
 import copy
 import logging
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fully_shard, tests
 
 import torch
 import torch.distributed as dist
-from _common import launch_if_needed, rank0_print  # (puts the repository root on sys.path)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fully_shard import fully_shard
+from tests.distributed.launch import launch_if_needed, rank0_print
 from tests.parallel.tp_common import data, fresh_pair, full, loss_fn, shard_2d, tensor_parallel
 
 

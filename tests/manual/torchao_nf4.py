@@ -1,8 +1,8 @@
 """torchao's subclasses through the all-gather extension, side by side with torch's fully_shard.
 
     pip install --no-deps --target /tmp/torchao_site torchao==0.18.0      # outside the project's venv
-    PYTHONPATH=/tmp/torchao_site:$PWD python benchmarks/torchao_nf4.py           # NF4 QLoRA, 2 ranks
-    PYTHONPATH=/tmp/torchao_site:$PWD python benchmarks/torchao_nf4.py --float8  # + Float8Linear
+    PYTHONPATH=/tmp/torchao_site:$PWD python tests/manual/torchao_nf4.py           # NF4 QLoRA, 2 ranks
+    PYTHONPATH=/tmp/torchao_site:$PWD python tests/manual/torchao_nf4.py --float8  # + Float8Linear
 
 Not a CI test (torchao is not a dependency). NF4: a QLoRA-style model (frozen ``NF4Tensor`` base
 weights from ``to_nf4``, trainable LoRA adapters, a plain head), one ``fully_shard`` per layer + the
@@ -19,18 +19,23 @@ import argparse
 import functools
 import inspect
 import math
+import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fully_shard, tests
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from _common import init, launch_if_needed, torch_fully_shard  # (puts the repository on sys.path)
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fully_shard import fully_shard
 from tests.distributed.counting import CountCollectives
+from tests.distributed.launch import init, launch_if_needed
 
 
 class NF4LoRALinear(nn.Module):

@@ -1,7 +1,7 @@
 """torchtitan's own ``apply_fsdp_to_decoder`` (expert parallel, ep 2) on this library after ``compat.patch_torch()``.
 
     pip install --no-deps torchtitan==0.3.0      # not a dependency; or pass --torchtitan DIR (a checkout)
-    python benchmarks/torchtitan_moe.py          # launches 4 gloo ranks itself
+    python tests/manual/torchtitan_moe.py          # launches 4 gloo ranks itself
 
 torchtitan's ``distributed/fsdp.py`` is loaded from its file, unchanged (its package ``__init__`` pulls in
 dependencies unrelated to FSDP), twice: once after ``compat.patch_torch()`` (its torch imports bind this
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

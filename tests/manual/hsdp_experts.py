@@ -1,6 +1,6 @@
 """HSDP for experts on 8 CPU ranks: experts on (dp_replicate 2, efsdp 2, ep 2), the rest on dp 8.
 
-    python benchmarks/hsdp_experts.py [--steps 3]      # launches its own 8 gloo ranks (torchrun)
+    python tests/manual/hsdp_experts.py [--steps 3]      # launches its own 8 gloo ranks (torchrun)
 
 The tiny MoE model of tests/parallel/moe_common.py (the parity setup: tests/parallel/moe_parity.py), its
 experts Shard(0) DTensors on ``ep``, sharded with this library's and torch's fully_shard (torchtitan's
@@ -18,11 +18,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fully_shard, tests
 
 import torch
 import torch.distributed as dist
-from _common import launch_if_needed, rank0_print  # (puts the repository root on sys.path)
 
+from tests.distributed.launch import launch_if_needed, rank0_print
 from tests.parallel import moe_parity as P
 
 
