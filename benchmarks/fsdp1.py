@@ -18,8 +18,11 @@ measured steps above the idle process, max over ranks.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import importlib
 import json
+import linecache
 import os
 import subprocess
 import sys
@@ -141,7 +144,7 @@ def run_mem_part(args: argparse.Namespace, variant: str, dtype: str) -> None:
     # both variants' modules imported before the idle reading: the training memory is compared, not the code's
     importlib.import_module("fully_shard.wrap.fsdp1")
     importlib.import_module("torch.distributed.fsdp.fully_sharded_data_parallel")
-    idle = current_memory()
+    idle, idle_kinds, idle_lines = current_memory(), rss_by_kind(), cached_source_bytes()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     model = build(variant, dtype == "bf16")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -154,10 +157,36 @@ def run_mem_part(args: argparse.Namespace, variant: str, dtype: str) -> None:
         x, y = batch(args, i + 1, device)
         step_fn(model, opt, x, y, losses)()
     result = {"peak": peak_memory(), "idle": idle, "steady": current_memory()}
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what stays is live (glibc: free pages inside the heap too)
+    result["kinds"] = {k: v - idle_kinds[k] for k, v in rss_by_kind().items()}
+    result["linecache"] = cached_source_bytes() - idle_lines
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if dist.get_rank() == 0 and args.out is not None:
         args.out.write_text(json.dumps(gathered))
+
+
+def rss_by_kind() -> dict[str, int]:
+    """Resident bytes of this process by mapping kind (/proc/self/smaps): file-backed (code and data of the
+    libraries), the brk heap, other anonymous memory (mmap'd allocations, thread arenas, stacks)."""
+    out = {"file": 0, "heap": 0, "anon": 0}
+    kind = "anon"
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if fields[0] == "Rss:":
+                out[kind] += int(fields[1]) * 1024
+            elif "-" in fields[0] and ":" not in fields[0]:  # a mapping's header: address range ... [path]
+                path = fields[5] if len(fields) > 5 else ""
+                kind = "heap" if path == "[heap]" else "file" if path.startswith("/") else "anon"
+    return out
+
+
+def cached_source_bytes() -> int:
+    """Bytes of source lines ``linecache`` holds (tracebacks and stack captures read whole files into it)."""
+    return sum(sum(sys.getsizeof(line) for line in entry[2]) for entry in list(linecache.cache.values())
+               if len(entry) > 2)
 
 
 def launch(args: argparse.Namespace, task: str, out: Path) -> None:
@@ -198,7 +227,8 @@ def main() -> None:
                     launch(args, f"mem:{variant}:{dtype}", out)
                     ranks = json.loads(out.read_text())
                     mem[f"{variant}-{dtype}"] = {"above": max(r["peak"] - r["idle"] for r in ranks),
-                                                 "peak": max(r["peak"] for r in ranks)}
+                                                 "peak": max(r["peak"] for r in ranks),
+                                                 "kinds": ranks[0]["kinds"], "linecache": ranks[0]["linecache"]}
             results["memory"] = mem
             mib = 2**20
             print("\nFSDP1 peak RSS (MiB per rank, max over ranks; training steps above the idle process):")
@@ -207,6 +237,13 @@ def main() -> None:
                 o, t = mem[f"ours-{dtype}"], mem[f"torch-{dtype}"]
                 print(f"{dtype:<6}{o['above'] / mib:>10.1f}{t['above'] / mib:>10.1f}{o['above'] / t['above']:>12.3f}"
                       f"{o['peak'] / mib:>11.1f}{t['peak'] / mib:>12.1f}")
+            print("\nWhere it is (rank 0, after the steps and malloc_trim, above the idle process; MiB ours / torch):")
+            print(header(f"{'dtype':<6}{'file-backed':>16}{'heap':>16}{'other anon':>16}{'linecache':>16}"))
+            for dtype in ("fp32", "bf16"):
+                o, t = mem[f"ours-{dtype}"], mem[f"torch-{dtype}"]
+                cells = [f"{o['kinds'][k] / mib:.1f} / {t['kinds'][k] / mib:.1f}" for k in ("file", "heap", "anon")]
+                cells.append(f"{o['linecache'] / mib:.2f} / {t['linecache'] / mib:.2f}")
+                print(f"{dtype:<6}" + "".join(f"{c:>16}" for c in cells))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
 

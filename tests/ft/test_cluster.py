@@ -23,6 +23,7 @@ Heavier variants (20 random kills, torch's fully_shard side by side, larger mode
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,17 @@ def _full(report: Any, replica: int, recipe: Recipe) -> list[list[torch.Tensor]]
 
 def _steps(report: Any, replica: int) -> list[int]:
     return [rec["step"] for rec in report.finals[(replica, 0)]["records"]]
+
+
+def _every_step_or_healed(report: Any, replica: int) -> None:
+    """``replica`` committed every step from 1 to its last, except where it healed: a peer's commit it missed (its
+    own attempt failed when a killed group broke the step's collectives) arrives in the heal, as torchft does."""
+    steps = _steps(report, replica)
+    healed = {e["step"] for e in report.events if e["ev"] == "heal" and e["replica"] == replica}
+    assert steps and steps[0] == 1 and steps[-1] == report.finals[(replica, 0)]["step"], (steps, report.text)
+    gaps = [(a, b) for a, b in itertools.pairwise(steps) if b != a + 1 and b not in healed]
+    assert not gaps, (f"replica {replica} skipped steps without a heal: {gaps}; healed at {sorted(healed)}",
+                      report.text)
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -186,7 +198,7 @@ def test_kills_in_every_phase_with_3_groups_survivors_go_on_restarts_heal_and_ma
     assert min(len(groups) for groups in per_step.values()) == 1 and max(len(g) for g in per_step.values()) == 3
     worst = _against_reference(report, recipe)
     assert max(worst.values()) < TOL, worst
-    assert _steps(report, 0) == list(range(1, report.finals[(0, 0)]["step"] + 1))  # replica 0: every step
+    _every_step_or_healed(report, 0)  # replica 0 (never killed): every step, or healed past the one it missed
 
 
 @pytest.mark.timeout(300)

@@ -184,3 +184,33 @@ def test_torch_enums_and_configs_and_cpu_offload() -> None:
     for r in _torch_objects_and_offload():
         mine, theirs, plain = r["runs"]
         assert mine == theirs == plain, r
+
+
+@distributed(world_size=2)
+def _reduce_dtypes() -> dict[str, list[str]]:
+    from unittest import mock
+
+    from fully_shard.core import policy
+    from fully_shard.core.state import get_state
+
+    out: dict[str, list[str]] = {}
+    for rule in (False, True):  # torch < 2.15's reading of FSDP2's reduce_dtype=None, and 2.15's (original dtype)
+        with mock.patch.object(policy, "REDUCE_IN_ORIG_DTYPE", rule):
+            for reduce in (None, torch.float32):
+                model = FullyShardedDataParallel(build_model(), auto_wrap_policy=partial(
+                    transformer_auto_wrap_policy, transformer_layer_cls={TransformerBlock}),
+                    mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce))
+                units = [m for m in model.modules() if get_state(m) is not None]
+                out[f"2.15 rule={rule}, reduce_dtype={reduce}"] = sorted(
+                    {str(g.reduce_dtype) for m in units for g in get_state(m).groups if g.params})  # type: ignore[union-attr]
+    return out
+
+
+def test_mixed_precision_reduces_in_param_dtype_by_default_on_every_torch() -> None:
+    """FSDP1's rule: reduce_dtype=None reduces in param_dtype, on every torch (torch 2.15 changed only FSDP2's
+    MixedPrecisionPolicy to reduce in the original dtype; its FSDP1 still reduces in param_dtype)."""
+    got = _reduce_dtypes()[0]
+    assert got == {"2.15 rule=False, reduce_dtype=None": ["torch.bfloat16"],
+                   "2.15 rule=False, reduce_dtype=torch.float32": ["torch.float32"],
+                   "2.15 rule=True, reduce_dtype=None": ["torch.bfloat16"],
+                   "2.15 rule=True, reduce_dtype=torch.float32": ["torch.float32"]}, got

@@ -43,6 +43,7 @@ from .options import (
     StateDictSettings,
     StateDictType,
     coerce,
+    fsdp1_reduce_dtype,
 )
 from .policies import wrap_targets
 from .summon import summon
@@ -133,7 +134,7 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
         buffer_dtypes = _buffer_dtypes(module, modules, mp)
         fully_shard(self, mesh=placement.mesh, reshard_after_forward=placement.reshard_after_forward,
                     mp_policy=MixedPrecisionPolicy(param_dtype=mp.param_dtype if mp else None,
-                                                   reduce_dtype=mp.reduce_dtype if mp else None,
+                                                   reduce_dtype=fsdp1_reduce_dtype(mp),
                                                    cast_forward_inputs=False),  # FSDP1's casting: forward()
                     offload_policy=CPUOffloadPolicy() if offload.offload_params else OffloadPolicy(),
                     ignored_params={p for p in module.parameters() if id(p) in ignored_params} or None)

@@ -63,6 +63,14 @@ class MixedPrecision:
     _module_classes_to_ignore: Sequence[type[nn.Module]] = (_BatchNorm,)
 
 
+def fsdp1_reduce_dtype(mp: MixedPrecision | None) -> torch.dtype | None:
+    """The dtype gradients are reduced in under FSDP1's rule: ``reduce_dtype``, else ``param_dtype`` (set explicitly:
+    torch 2.15's FSDP2 reads ``reduce_dtype=None`` as the parameter's original dtype, its FSDP1 does not)."""
+    if mp is None:
+        return None
+    return mp.reduce_dtype if mp.reduce_dtype is not None else mp.param_dtype
+
+
 @dataclass
 class CPUOffload:
     """``offload_params=True``: sharded parameters, gradients and optimizer state live on the CPU."""
