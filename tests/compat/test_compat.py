@@ -347,7 +347,12 @@ def _titan_ft_hook(model: nn.Module, hook: Any) -> None:
 
     def apply(m: nn.Module) -> None:
         if isinstance(m, FSDPModule):
-            for param_group in m._get_fsdp_state()._fsdp_param_groups:
+            state = m._get_fsdp_state()
+            if hasattr(state, "_fsdp_param_groups"):
+                groups = state._fsdp_param_groups
+            else:  # torch 2.11 keeps one group per unit (_fsdp_param_group); torchtitan for it sets that one
+                groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+            for param_group in groups:
                 param_group._all_reduce_hook = hook
 
     model.apply(apply)
