@@ -117,7 +117,8 @@ class Kill:
     its heal has arrived, before it is applied (the group must be restarting: in ``Cluster.run``'s plan the
     group is first killed in its forward, then again while the restart heals). ``source``: when it starts
     sending its state to a healing peer (in ``Cluster.run``'s plan: group ``replica`` is killed in its
-    forward, then the live group its rank ``rank`` heals from dies as the heal starts)."""
+    forward, then rank ``rank`` of every other group is armed and the first of them to send, torchft's
+    source, dies as the heal starts; the others disarm)."""
 
     replica: int
     rank: int
@@ -249,8 +250,12 @@ def worker(recipe: Recipe, replica: int, rank: int, store_port: int | None, ligh
             return got
 
         def send_checkpoint(self, *args: Any, **kwargs: Any) -> Any:  # the "source" kill point
+            nonlocal kill
             if kill is not None and kill.phase == "source":
-                _die(log, "source", -1)
+                if _claim_source(workdir, kill):  # the first armed rank that sends dies as it sends
+                    _die(log, "source", -1)
+                kill = None  # another group's rank was the source: disarmed
+                log("disarmed", phase="source")
             return super().send_checkpoint(*args, **kwargs)
 
     timeout = timedelta(seconds=recipe.timeout_s)
@@ -285,6 +290,9 @@ def worker(recipe: Recipe, replica: int, rank: int, store_port: int | None, ligh
     full = recipe.full_quorum or recipe.groups
     try:
         while True:
+            if kill is not None and kill.phase == "source" and _source_claimed(workdir, kill):
+                kill = None  # another group's rank was the source: disarmed, free to be armed again
+                log("disarmed", phase="source")
             if kill is None and arm.exists():
                 kill = Kill(**json.loads(arm.read_text()))
                 arm.unlink()  # (a torchrun restart keeps this rank's file names)
@@ -346,6 +354,23 @@ def _local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[li
     optim = [local(v) for p in model.parameters() for _, v in sorted(optimizer.state.get(p, {}).items())
              if isinstance(v, torch.Tensor)]
     return params, optim
+
+
+def _source_token(workdir: Path, kill: Kill) -> Path:
+    return workdir / f"source-{kill.step}"  # (a source kill's ``step`` numbers it: one token per planned kill)
+
+
+def _claim_source(workdir: Path, kill: Kill) -> bool:
+    """Whether this rank is the first of the ranks armed with this source kill to send (it then dies)."""
+    try:
+        os.close(os.open(_source_token(workdir, kill), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def _source_claimed(workdir: Path, kill: Kill) -> bool:
+    return _source_token(workdir, kill).exists()
 
 
 def _arm(model: nn.Sequential, manager: Any, optimizer: torch.optim.Optimizer, kill: Kill | None, log: _Log) -> None:
@@ -726,10 +751,12 @@ class Cluster:
                             restart_kills[(kill.replica, self.incarnations[kill.replica] + 1)] = kill
                             expected_kills += 2
                         elif kill.phase == "source":  # killed in its forward; its rank's source dies as it sends
-                            # torchft heals group rank r from the r-th (mod n) up-to-date group, sorted by id
-                            others = sorted(r for r in live if r != kill.replica)
+                            # torchft picks the source among the up-to-date groups (usually the r-th (mod n) by id
+                            # for group rank r, but a group that is behind heals too): arm rank r of every other
+                            # group; the first to send claims the kill (_claim_source), the others disarm
                             self.arm(Kill(kill.replica, kill.rank, "forward", at))
-                            self.arm(Kill(others[kill.rank % len(others)], kill.rank, "source"))
+                            for other in sorted(r for r in live if r != kill.replica):
+                                self.arm(Kill(other, kill.rank, "source", issued))
                             expected_kills += 2
                         else:
                             self.arm(dataclasses.replace(kill, step=at))
