@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..parallel import local_dtensor
 from .codec import ST_TO_TORCH, Encoder, decode, st_dtype
 from .control import Control
 from .errors import CheckpointError, Signature, check_structure
@@ -34,7 +35,7 @@ def gather_full(value: torch.Tensor, *, cpu_offload: bool = False) -> torch.Tens
 def offload_to_cpu(value: torch.Tensor) -> torch.Tensor:
     """``value`` with its local tensor on the CPU (a DTensor stays a DTensor, laid out as before)."""
     if isinstance(value, DTensor):
-        return DTensor.from_local(value.to_local().cpu(), value.device_mesh, value.placements, run_check=False,
+        return local_dtensor.wrap(value.to_local().cpu(), value.device_mesh, tuple(value.placements),
                                   shape=value.shape, stride=value.stride())
     return value.detach().cpu()
 

@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..core.module import FSDPModule
+from ..parallel import local_dtensor
 from . import boxes
 from .boxes import Box
 from .codec import st_dtype
@@ -230,11 +231,11 @@ def shard_like(param: DTensor, full: torch.Tensor) -> DTensor:
     view = describe("param", param)
     local = full[view.held.slices()]
     local = local.detach().to(device=view.local.device, copy=True).contiguous()  # never alias the caller's
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
+    return local_dtensor.wrap(local, param.device_mesh, tuple(param.placements), shape=param.shape,
+                              stride=param.stride())
 
 
 def from_local_like(param: DTensor, local: torch.Tensor, shape: tuple[int, ...]) -> DTensor:
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                              shape=torch.Size(shape), stride=stride)
+    return local_dtensor.wrap(local, param.device_mesh, tuple(param.placements), shape=torch.Size(shape),
+                              stride=stride)

@@ -105,7 +105,7 @@ class ShardedParam:
 
     def _dtensor(self, local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
         """``local`` as this parameter's DTensor on ``mesh`` (its global shape, contiguous strides)."""
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(self.global_shape),
+        return local_dtensor.wrap(local, mesh, placements, shape=torch.Size(self.global_shape),
                                   stride=contiguous_stride(self.global_shape))
 
     def moved(self, t: torch.Tensor) -> torch.Tensor:
