@@ -159,11 +159,15 @@ class CommContext:
         return out, pending
 
     def finish_all_gather(self, out: torch.Tensor, pending: Pending, copy_out: Callable[[torch.Tensor], None], *,
-                          event: trace.TraceEvent | None = None) -> float:
+                          hold: bool, event: trace.TraceEvent | None = None) -> float:
         """Wait for an all-gather (the compute stream on accelerators, the host on CPU), run
-        ``copy_out(buffer)``, then hold the buffer until the next all-gather's copy-in stream has seen
-        the copy-out (accelerators; on CPU it is dropped: nothing else reads it). While observed, returns
-        the seconds the host blocked in the wait and fills ``event`` (the all-gather's trace event)."""
+        ``copy_out(buffer)``, then let the buffer go once the copy-in stream has seen the copy-out
+        (accelerators; on CPU it is dropped at once: nothing else reads it). ``hold`` (forward, where the
+        next unit's all-gather follows): the buffer is kept until that all-gather's copy-in instead, so
+        its collective need not wait for this copy-out; backward and explicit unshards hold nothing, so
+        no gathered buffer outlives the backward into the optimizer step (as torch). While observed,
+        returns the seconds the host blocked in the wait and fills ``event`` (the all-gather's trace
+        event)."""
         timed = event is not None or bool(trace.observers)  # (the clock is read only for an observer)
         t0 = time.perf_counter() if timed else 0.0
         pending.wait(self)
@@ -174,6 +178,8 @@ class CommContext:
         copy_out(out)
         if self.accelerated:
             self.all_gather_state = (out, self.current_stream().record_event())
+            if not hold:
+                self.release_all_gather_buffer()
         return exposed
 
     def compute_event(self) -> Any:

@@ -297,7 +297,8 @@ class ParamGroup:
         self._pending_unshard = None
         assert self.gather_plan is not None
         with grad_mode.no_grad():
-            exposed = self._ctx.finish_all_gather(out, pending, self.gather_plan.copy_out, event=event)
+            exposed = self._ctx.finish_all_gather(out, pending, self.gather_plan.copy_out,
+                                                  hold=phase is trace.Phase.FORWARD, event=event)
         self._register(unsharded=True)
         self._transition((GroupState.UNSHARDING,), GroupState.UNSHARDED, "finish unshard")
         if trace.observers:  # (the byte count is not computed for nobody)
