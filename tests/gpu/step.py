@@ -65,7 +65,12 @@ def run(args: argparse.Namespace, out: str) -> None:
     n_params = sum(p.numel() for p in base.parameters())
     res["params"] = n_params
     res["tokens_per_step"] = s.step_batch * s.step_cfg.seq
-    x, y = synthetic_batch(s.step_cfg, s.step_batch, 0, 0, device=device)
+    # a fresh batch per step (made before the timed loop): one batch repeated is overfit within ten
+    # steps and its loss spikes, which magnifies compiled kernels' last-bit differences into whole units
+    # (gpu_check 2026-12-04: ours 11.26 / torch 9.12 / plain 10.59 at the same step)
+    data = [synthetic_batch(s.step_cfg, s.step_batch, i, 0, device=device)
+            for i in range(s.step_warmup + s.step_steps)]
+    x, y = data[0]
     mesh = init_device_mesh(device.type, (1,))
     models: dict[str, tuple[GPT, torch.optim.Optimizer]] = {}
     for name in ORDER:
@@ -99,7 +104,7 @@ def run(args: argparse.Namespace, out: str) -> None:
                 sync(device)
                 t = time.perf_counter()
                 with autocast(name, device):
-                    loss = loss_fn(model(x), y)
+                    loss = loss_fn(model(data[i][0]), data[i][1])
                 loss.backward()
                 sync(device)
                 t_bwd = time.perf_counter()
@@ -241,11 +246,20 @@ def report(rep: Report, data: dict[str, Any] | None, cuda: bool, cut: bool = Fal
         lo, lt = data["variants"]["ours"]["losses"], data["variants"]["torch"]["losses"]
         lp = data["variants"].get("plain", {}).get("losses", [])
         n = min(len(lo), len(lt))
-        gap = max((abs(a - b) for a, b in zip(lo[:n], lt[:n])), default=float("nan"))
         rep.say(f"losses ours  {[round(v, 4) for v in lo]}\nlosses torch {[round(v, 4) for v in lt]}\n"
                 f"losses plain {[round(v, 4) for v in lp]}")
-        rep.check(part, "losses equal torch's on every step within bf16 noise (|diff| <= 0.02)",
-                  n > 0 and gap <= 0.02, f"max |diff| {gap:.2e} over {n} steps")
+        first = abs(lo[0] - lt[0]) if n else float("nan")
+        rep.check(part, "the first step's loss equals torch's (same weights and batch; compiled kernels: "
+                  "|diff| <= 1e-3)", n > 0 and first <= 1e-3, f"|diff| {first:.2e}")
+        # later steps: bf16 rounding compounds through the optimizer, so the bound is the spread between two
+        # correct implementations on that step (torch's fully_shard and plain fp32 + autocast), + 0.02
+        bad = [(i, a - b, b - c) for i, (a, b, c) in enumerate(zip(lo, lt, lp or lt))
+               if abs(a - b) > 0.02 + abs(b - c)]
+        gap = max((abs(a - b) for a, b in zip(lo[:n], lt[:n])), default=float("nan"))
+        rep.check(part, "losses on every step within bf16 noise of torch's (|ours - torch| <= 0.02 + "
+                  "|torch - fp32 autocast|)", n > 0 and not bad,
+                  f"max |diff| {gap:.2e} over {n} steps" + (f"; over the bound at (step, ours - torch, torch - "
+                                                            f"plain) {bad[:3]}" if bad else ""))
         rep.check(part, "losses finite", all(math.isfinite(v) for v in lo + lt + lp), "")
     prof = data.get("profile")
     rep.say("\n== Part step (profile): fully_shard.profile on this library's model ==")

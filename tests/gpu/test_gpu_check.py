@@ -100,6 +100,21 @@ def test_reports_on_synthetic_gpu_data(tmp_path: Path) -> None:
     assert status["ours/torch <= 1.05"] == "PASS" and status["ours/torch <= 1.02 (target)"] == "WARN", status
     assert not any("plain" in name for name in status) and any("ours / plain = 2.060" in line for line in rep.lines)
     assert "9.9%" in "\n".join(rep.lines)  # MFU of the 1.03 s step
+    first, every = ("the first step's loss equals torch's (same weights and batch; compiled kernels: |diff| <= 1e-3)",
+                    "losses on every step within bf16 noise of torch's (|ours - torch| <= 0.02 + |torch - fp32 "
+                    "autocast|)")
+    assert status[first] == "PASS" and status[every] == "PASS", status
+    # later steps: bounded by torch's own spread from the fp32 + autocast reference on that step
+    for ours, verdicts in (([10.0, 9.5, 10.9], ("PASS", "PASS")),  # 0.9 off torch, plain 1.5 off it
+                           ([10.0, 9.5, 11.6], ("PASS", "FAIL")),  # 2.6 > 0.02 + 1.5
+                           ([10.01, 9.5, 9.0], ("FAIL", "PASS"))):  # the first step 0.01 off
+        data["variants"].update(ours=dict(steps, step_s=[1.03], losses=ours),
+                                torch=dict(steps, losses=[10.0, 9.5, 10.0]),
+                                plain=dict(steps, step_s=[0.5], losses=[10.0, 9.5, 8.5]))
+        rep = Report()
+        step.report(rep, data, cuda=True)
+        status = {c.name: c.status for c in rep.checks}
+        assert (status[first], status[every]) == verdicts, (ours, status)
     data["variants"]["ours"]["step_s"] = []  # cut by the budget before measuring: a skip, not a failure
     rep = Report()
     step.report(rep, data, cuda=True, cut=True)
