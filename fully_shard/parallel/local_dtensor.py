@@ -35,6 +35,8 @@ def like(local: torch.Tensor, model: DTensor) -> DTensor:
     """``local`` (this rank's part, of ``model``'s local shape, dtype and device, contiguous) as a DTensor
     with ``model``'s mesh, placements, global shape and stride; it does not require grad."""
     spec: Any = getattr(model, "_spec", None)
+    if _direct and spec is not None:  # the per-step path, once checked: no further Python frame per gradient
+        return DTensor.__new__(DTensor, local, spec, requires_grad=False)  # type: ignore[call-arg]
     out = _construct(local, spec) if spec is not None else None
     if out is not None:
         return out

@@ -41,6 +41,22 @@ def _message(fn: Any) -> str:
     return "no error"
 
 
+class _DummyProcessGroup:
+    """What torch's FSDP1 tests pass as ``process_group`` (common_fsdp.DummyProcessGroup): a rank and a size."""
+
+    def __init__(self, *, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def __repr__(self) -> str:
+        return f"DummyProcessGroup(rank={self._rank}, size={self._size})"
+
+
 @distributed(world_size=2)
 def _bad_construction() -> dict[str, tuple[str, bool]]:
     cases = {
@@ -54,6 +70,8 @@ def _bad_construction() -> dict[str, tuple[str, bool]]:
         "low_precision_grads": {"mixed_precision": MixedPrecision(torch.bfloat16, keep_low_precision_grads=True)},
         "both_ignored": {"ignored_modules": [], "ignored_states": []},
         "hybrid_pair": {"sharding_strategy": "HYBRID_SHARD"},
+        "dummy_group": {"process_group": _DummyProcessGroup(rank=0, size=2)},
+        "string_group": {"process_group": "world"},
     }
     out = {}
     for name, kwargs in cases.items():
@@ -84,6 +102,10 @@ def test_bad_construction_is_refused_and_leaves_the_model_unchanged() -> None:
     assert r["low_precision_grads"][0].startswith("NotImplementedError: MixedPrecision(keep_low_precision_grads=True)")
     assert "not both" in r["both_ignored"][0]
     assert "already sharded" in r["twice"][0]
+    assert "process_group must be a torch.distributed.ProcessGroup" in r["dummy_group"][0], r["dummy_group"]
+    assert "DummyProcessGroup(rank=0, size=2)" in r["dummy_group"][0] and "Fix: pass dist.new_group" in \
+        r["dummy_group"][0]
+    assert "got str 'world'" in r["string_group"][0], r["string_group"]
 
 
 @distributed(world_size=2)

@@ -92,17 +92,35 @@ def resolve_placement(strategy: ShardingStrategy, *, process_group: Any, device_
     return Placement(strategy, out_mesh, bool(kwargs["reshard_after_forward"]), shard_group, inter)
 
 
+def _check_group(group: Any, what: str) -> None:
+    """``group`` is a c10d process group of this job: the units issue real collectives over it."""
+    try:
+        ok = isinstance(group, dist.ProcessGroup) and bool(dist.get_process_group_ranks(group))
+    except (ValueError, RuntimeError, KeyError):
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"FullyShardedDataParallel: {what} must be a torch.distributed.ProcessGroup of this job (the world's "
+            f"default group, or one from dist.new_group), got {type(group).__name__} {group!r}. Per-parameter "
+            "sharding runs real collectives over it, so an object that only records a rank and a size (torch's "
+            "FSDP1 tests' DummyProcessGroup) cannot stand in for one. Fix: pass dist.new_group(ranks), or "
+            "process_group=None for the whole world.")
+
+
 def _mesh_of_groups(process_group: Any, hybrid: bool, device_type: str) -> DeviceMesh:
     if not hybrid:
         if isinstance(process_group, tuple):
             raise ValueError("FullyShardedDataParallel: a (intra_node, inter_node) process_group pair is for "
                              "HYBRID_SHARD/_HYBRID_SHARD_ZERO2. Fix: pass one ProcessGroup for this strategy.")
+        _check_group(process_group, "process_group")
         return DeviceMesh.from_group(process_group, device_type)
     if not (isinstance(process_group, tuple) and len(process_group) == 2):
         raise ValueError("FullyShardedDataParallel: a hybrid sharding strategy takes process_group=(intra_node_group, "
                          f"inter_node_group), got {process_group!r}. Fix: pass the pair, or "
                          "device_mesh=init_device_mesh(device, (num_nodes, ranks_per_node)).")
     intra, inter = process_group
+    _check_group(intra, "process_group[0] (the intra-node shard group)")
+    _check_group(inter, "process_group[1] (the inter-node replicate group)")
 
     def make() -> DeviceMesh:
         world = dist.group.WORLD
