@@ -21,10 +21,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP  # noqa: E402
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from examples.train_gpt import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402, F401
 from fully_shard import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from fully_shard.tools.timing import synchronize, timed_step  # noqa: E402, F401
 from fully_shard.tools.watch import KINDS, CollectiveWatch  # noqa: E402
+from models.gpt import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402, F401
 from tests.distributed.launch import init, launch_if_needed, rank0_print  # noqa: E402, F401
 
 VARIANTS = ("ours", "torch", "ddp")  # this library, torch's fully_shard, DistributedDataParallel

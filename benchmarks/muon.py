@@ -4,7 +4,7 @@
     python benchmarks/muon.py --world 4
     python benchmarks/muon.py --world 2 --train 200     # + loss curves, Muon vs AdamW, PNG under results/
 
-Step figures: the example GPT (examples/train_gpt.py) sharded per block, one backward for fixed
+Step figures: the shared GPT (models/gpt.py) sharded per block, one backward for fixed
 gradients, then only ``optimizer.step()`` is timed for each variant (each with its own copy of the model):
 ``owner`` (fully_shard.optim.Muon, rows to owners by all-to-all), ``gather`` (``comm="gather"``) and
 ``adamw`` (torch's AdamW over every parameter, on the library's local step). Rounds rotate the order; a

@@ -3,7 +3,7 @@
     python benchmarks/quantized.py                  # launches 2 ranks itself, 200 steps
     python benchmarks/quantized.py --steps 50 --block-size 128
 
-Both variants start from the same weights (examples/train_gpt.py's ``build_model``, 7.4M params, or the
+Both variants start from the same weights (models/gpt.py's ``build_model``, 7.4M params, or the
 same GPT with ``--dim``/``--blocks``: bf16 matmuls are slow on CPUs without bf16 units) and see the same
 batches (``synthetic_batch`` of its config, a new batch per step, 4 sequences per rank), with
 bf16 params and fp32 reductions; one shards with ``QuantizedAllGather``. They take turns each step in the
@@ -33,8 +33,8 @@ from _common import (
     timed_step,
 )
 
-from examples.train_gpt import GPT, TUNE_CONFIG, GPTConfig, build_model
 from fully_shard import MixedPrecisionPolicy, QuantizedAllGather, fully_shard, profile
+from models.gpt import GPT, TUNE_CONFIG, GPTConfig, build_model
 
 VARIANTS = ("bf16", "int8")
 

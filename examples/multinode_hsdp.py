@@ -4,7 +4,7 @@
 
 Run A starts two torchrun agents, each a 'node' of 2 CPU ranks, that meet through a c10d rendezvous on
 localhost (``--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint localhost:PORT``). Run B is
-one agent with 4 ranks. Both train the GPT of examples/train_gpt.py with HSDP on the same (2, 2) mesh
+one agent with 4 ranks. Both train the GPT of models/gpt.py with HSDP on the same (2, 2) mesh
 ("replicate", "shard"): each block and the root are ``fully_shard(..., mesh=mesh)`` units, parameters are
 sharded within a node and replicated across nodes. Two variants run in the same processes: ``sync`` (one
 batch per optimizer step) and ``accumulate`` (``--accum`` micro-batches per step with
@@ -42,8 +42,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from examples.train_gpt import GPT, GPTConfig, loss_fn, setup, synthetic_batch
+from examples.train_gpt import setup
 from fully_shard import fully_shard, profile
+from models.gpt import GPT, GPTConfig, loss_fn, synthetic_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("sync", "accumulate")

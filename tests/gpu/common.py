@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from examples.train_gpt import GPT, GPTConfig
+from models.gpt import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"

@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from examples.train_gpt import GPT, loss_fn, synthetic_batch
 from fully_shard.comm import collectives
+from models.gpt import GPT, loss_fn, synthetic_batch
 from tests.gpu.common import device_of, error_text, log, mesh_for, shard, sizes, write_json
 from tests.gpu.report import Report
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from examples.train_gpt import GPT, GPTConfig, loss_fn, synthetic_batch
+from models.gpt import GPT, GPTConfig, loss_fn, synthetic_batch
 from tests.gpu.common import device_of, error_text, log, shard, sizes, sync, write_json
 from tests.gpu.report import Report
 from tests.gpu.step import init_world_one

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from examples.train_gpt import GPT, loss_fn, synthetic_batch
 from fully_shard.tools.memory import current_memory, peak_memory, reset_peak_memory
+from models.gpt import GPT, loss_fn, synthetic_batch
 from tests.gpu.common import MIB, VARIANTS, device_of, error_text, log, mb, mesh_for, shard, sizes, sync, write_json
 from tests.gpu.report import Report
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from examples.train_gpt import GPT, loss_fn, synthetic_batch
+from models.gpt import GPT, loss_fn, synthetic_batch
 from tests.gpu.common import device_of, error_text, log, mb, shard, sizes, sync, write_json
 from tests.gpu.report import Report
 

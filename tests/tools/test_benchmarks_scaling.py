@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_scaling_quick_units(tmp_path: Path) -> None:
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from examples.train_gpt import GPT, GPTConfig
+    from models.gpt import GPT, GPTConfig
 
     cmd = [sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--axis", "units", "--quick",
            "--output-dir", str(tmp_path)]

@@ -1,6 +1,6 @@
 """Wrap-granularity tuner: sweep blocks-per-unit x reshard_after_forward, measure, recommend.
 
-    python -m fully_shard.tune --model examples.train_gpt:build_model --batch examples.train_gpt:build_batch \\
+    python -m fully_shard.tune --model models.gpt:build_model --batch models.gpt:build_batch \\
         --world-size 2 --memory-budget-mb 300 --out runs/tune
 
 It launches ``--world-size`` ranks itself with torch's elastic launcher and, at the fixed batch the

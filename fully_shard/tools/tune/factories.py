@@ -20,7 +20,7 @@ def load_object(spec: str, what: str) -> Any:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--{what} expects 'module:function', found {spec!r}. Fix: e.g. "
-                         f"--{what} examples.train_gpt:build_{what}")
+                         f"--{what} models.gpt:build_{what}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:

@@ -1,0 +1,1 @@
+"""Models shared by the examples, tests and benchmarks (one place; not part of the installed package)."""
