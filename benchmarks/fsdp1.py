@@ -3,7 +3,7 @@
     python benchmarks/fsdp1.py                          # step time (same ranks, taking turns) + peak RSS
     python benchmarks/fsdp1.py --parts step --steps 20  # only the step-time part
 
-The model is examples/quickstart.py's GPT (the note's ``TransformerBlock``/``build_model``) at the size
+The model is models/note.py's GPT (the note's ``TransformerBlock``/``build_model``) at the size
 given by ``--dim --blocks --seq --vocab``, wrapped by the note's code: ``FSDP(build_model(),
 sharding_strategy=FULL_SHARD, auto_wrap_policy=transformer_auto_wrap_policy per block,
 mixed_precision=MixedPrecision(param_dtype=bf16))`` (fp32: no mixed precision); torch's FSDP1 gets the
@@ -36,9 +36,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _common import ROOT, header, machine, median, rank0_print
 
-import examples.quickstart as note
 from fully_shard.tools.memory import current_memory, peak_memory, reset_peak_memory
 from fully_shard.tools.timing import timed_step
+from models.note import NoteSizes, TransformerBlock, build_model
 
 VARIANTS = ("ours", "torch")
 
@@ -50,7 +50,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=15, help="timed steps per variant and dtype (after warm-up)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--mem-steps", type=int, default=3)
-    # the defaults are examples/quickstart.py's model (the note's TransformerBlock/build_model, 0.27M params)
+    # the defaults are the quickstart's sizes (models/note.py's QUICKSTART, 0.27M params)
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=4)
@@ -63,12 +63,12 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def configure(args: argparse.Namespace) -> None:
-    """The quickstart's model at this size (its module-level constants)."""
-    note.VOCAB, note.DIM, note.HEADS, note.BLOCKS, note.SEQ = args.vocab, args.dim, args.heads, args.blocks, args.seq
+def sizes(args: argparse.Namespace) -> NoteSizes:
+    """The note's model at this size."""
+    return NoteSizes(vocab=args.vocab, dim=args.dim, heads=args.heads, blocks=args.blocks, seq=args.seq)
 
 
-def build(variant: str, bf16: bool) -> Any:
+def build(variant: str, bf16: bool, sizes: NoteSizes) -> Any:
     """The note's FSDP call with this library's class or torch's (``device_id`` for torch's, on CPU)."""
     if variant == "ours":
         from fully_shard import FullyShardedDataParallel as FSDP
@@ -81,8 +81,8 @@ def build(variant: str, bf16: bool) -> Any:
         from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy  # type: ignore[assignment]
         extra = {"device_id": torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                  else torch.device("cpu")}
-    auto_wrap = partial(transformer_auto_wrap_policy, transformer_layer_cls={note.TransformerBlock})
-    return FSDP(note.build_model(), sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy=auto_wrap,
+    auto_wrap = partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerBlock})
+    return FSDP(build_model(sizes), sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy=auto_wrap,
                 mixed_precision=MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None, **extra)
 
 
@@ -108,7 +108,7 @@ def run_step_part(args: argparse.Namespace) -> None:
     runs: dict[str, Any] = {}
     for bf16 in (False, True):
         label = "bf16" if bf16 else "fp32"
-        models = {v: build(v, bf16) for v in VARIANTS}
+        models = {v: build(v, bf16, sizes(args)) for v in VARIANTS}
         opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-3) for v, m in models.items()}
         times: dict[str, list[float]] = {v: [] for v in VARIANTS}
         losses: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -125,7 +125,7 @@ def run_step_part(args: argparse.Namespace) -> None:
         runs[label] = {"median_s": med, "paired": paired, "ratio": med["ours"] / med["torch"], "loss_gap": gap,
                        "times_s": times}
         del models, opts
-    n_params = sum(p.numel() for p in note.build_model().parameters())
+    n_params = sum(p.numel() for p in build_model(sizes(args)).parameters())
     rank0_print(f"\nFSDP1 step time: the note's GPT {n_params / 1e6:.2f}M params ({args.blocks} blocks, d={args.dim}, "
                 f"seq {args.seq}, vocab {args.vocab}), batch {args.batch}/rank, {dist.get_world_size()} ranks on "
                 f"{device.type} ({dist.get_backend()}), FULL_SHARD, per-block units, AdamW + clip_grad_norm_; "
@@ -146,7 +146,7 @@ def run_mem_part(args: argparse.Namespace, variant: str, dtype: str) -> None:
     importlib.import_module("torch.distributed.fsdp.fully_sharded_data_parallel")
     idle, idle_kinds, idle_lines = current_memory(), rss_by_kind(), cached_source_bytes()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    model = build(variant, dtype == "bf16")
+    model = build(variant, dtype == "bf16", sizes(args))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses: list[float] = []
     x, y = batch(args, 0, device)
@@ -198,7 +198,6 @@ def launch(args: argparse.Namespace, task: str, out: Path) -> None:
 
 def main() -> None:
     args = parse_args()
-    configure(args)
     if args.rank_task is not None:
         torch.set_num_threads(1)
         if torch.cuda.is_available():

@@ -36,44 +36,10 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-VOCAB, DIM, HEADS, BLOCKS, SEQ, BATCH = 512, 64, 4, 4, 32, 8
+from models.note import QUICKSTART, TransformerBlock, build_model  # the note's model (its code below names them)
+from models.note import batch as note_batch
 
-
-class TransformerBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM)
-        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = (z.view(b, t, HEADS, d // HEADS).transpose(1, 2)
-                   for z in self.qkv(self.norm1(x)).split(d, dim=-1))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, DIM)
-        self.pos = nn.Parameter(torch.randn(SEQ, DIM) * 0.02)
-        self.blocks = nn.ModuleList(TransformerBlock() for _ in range(BLOCKS))
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
-        for blk in self.blocks:
-            x = blk(x)
-        return self.head(self.norm(x))
-
-
-def build_model() -> GPT:
-    torch.manual_seed(0)  # identical on every rank
-    return GPT()
+VOCAB, SEQ, BATCH = QUICKSTART.vocab, QUICKSTART.seq, 8
 
 
 def note_model(torch_imports: bool) -> nn.Module:
@@ -137,12 +103,7 @@ def _note_model_with_torch_imports() -> nn.Module:
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's slice of global batch ``step`` (a learnable pattern: token t+1 = 3 * token t)."""
-    g = torch.Generator().manual_seed(1000 + step)
-    start = torch.randint(0, VOCAB, (BATCH, 1), generator=g)
-    seq = (start * 3 ** torch.arange(SEQ + 1)) % VOCAB
-    per = BATCH // dist.get_world_size()
-    rows = seq[dist.get_rank() * per:(dist.get_rank() + 1) * per]
-    return rows[:, :-1], rows[:, 1:]
+    return note_batch(QUICKSTART, step, batch=BATCH, world=dist.get_world_size(), rank=dist.get_rank())
 
 
 def train(model: Any, opt: torch.optim.Optimizer, steps: range) -> list[float]:

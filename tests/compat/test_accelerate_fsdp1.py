@@ -20,7 +20,7 @@ import torch.nn as nn
 from tests.compat.frameworks import fsdp1_class, reset_accelerate, select_fsdp
 from tests.distributed.harness import distributed
 from tests.wrap.common import rel_diffs, shared_dir
-from tests.wrap.note import build_model, loss_of
+from tests.wrap.note import GPT, SIZES, build_model, loss_of
 
 pytest.importorskip("accelerate", reason="accelerate is in the test extra (pyproject)")
 
@@ -44,7 +44,7 @@ def _prepare(variant: str, *, low_ram: bool) -> tuple[Any, Any, Any]:
     if low_ram and dist.get_rank() != 0:
         torch.manual_seed(1)
         with torch.device("meta"):
-            model: nn.Module = type(build_model())()  # the note's GPT on meta: no weights on this rank
+            model: nn.Module = GPT(SIZES)  # the note's GPT on meta: no weights on this rank
     else:
         model = build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

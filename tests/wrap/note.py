@@ -5,7 +5,7 @@
 it as written (torch's imports: run it after ``compat.patch_torch(fsdp1=True)`` to get this library),
 with this library's imports (the two import statements swapped, nothing else), or with another
 strategy/dtype substituted (the test matrix). ``TransformerBlock`` and ``build_model`` are what the note
-leaves to the reader: examples/quickstart.py's GPT, smaller.
+leaves to the reader: models/note.py's, smaller than the quickstart's.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from models import note
+from models.note import GPT, NoteSizes, TransformerBlock
 
 NOTE_CODE = '''\
 from functools import partial
@@ -43,45 +46,13 @@ model = FSDP(
 OUR_IMPORTS = (("from torch.distributed.fsdp import (", "from fully_shard import ("),
                ("from torch.distributed.fsdp.wrap import", "from fully_shard.wrap import"))
 
-VOCAB, DIM, HEADS, BLOCKS, SEQ, BATCH = 128, 32, 4, 2, 16, 8
-
-
-class TransformerBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        # no qkv bias: a key bias has zero true gradient, and AdamW turns its rounding noise into +-lr steps
-        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM)
-        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = (z.view(b, t, HEADS, d // HEADS).transpose(1, 2)
-                   for z in self.qkv(self.norm1(x)).split(d, dim=-1))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, DIM)
-        self.pos = nn.Parameter(torch.randn(SEQ, DIM) * 0.02)
-        self.blocks = nn.ModuleList(TransformerBlock() for _ in range(BLOCKS))
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
-        for blk in self.blocks:
-            x = blk(x)
-        return self.head(self.norm(x))
+SIZES = NoteSizes(vocab=128, dim=32, heads=4, blocks=2, seq=16)  # the quickstart's model, smaller
+VOCAB, SEQ, BATCH = SIZES.vocab, SIZES.seq, 8
 
 
 def build_model() -> GPT:
-    torch.manual_seed(0)  # identical on every rank
-    return GPT()
+    """The note's ``build_model()`` here: models/note.py's GPT at ``SIZES`` (the same weights on every rank)."""
+    return note.build_model(SIZES)
 
 
 def note_code(*, strategy: str = "FULL_SHARD", dtype: str | None = "bfloat16", ours: bool = False,
@@ -113,14 +84,8 @@ def run_note(code: str, **names: Any) -> nn.Module:
 
 def batch(step: int, *, world: int | None = None, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's slice of global batch ``step`` (a learnable pattern: token t+1 = 3 * token t)."""
-    world = dist.get_world_size() if world is None else world
-    rank = dist.get_rank() if rank is None else rank
-    g = torch.Generator().manual_seed(1000 + step)
-    start = torch.randint(0, VOCAB, (BATCH, 1), generator=g)
-    seq = (start * 3 ** torch.arange(SEQ + 1)) % VOCAB
-    per = BATCH // world
-    rows = seq[rank * per:(rank + 1) * per]
-    return rows[:, :-1], rows[:, 1:]
+    return note.batch(SIZES, step, batch=BATCH, world=dist.get_world_size() if world is None else world,
+                      rank=dist.get_rank() if rank is None else rank)
 
 
 def loss_of(model: nn.Module, step: int) -> torch.Tensor:
