@@ -1,7 +1,7 @@
 """Host time per unit per step, split by phase: this library vs torch's fully_shard, in the same processes.
 
     python benchmarks/overhead.py                  # launches 2 gloo ranks itself
-    python benchmarks/overhead.py --units 64 --steps 30 --json benchmarks/results/overhead.json
+    python benchmarks/overhead.py --units 64 --steps 30
 
 Compute is made negligible: a chain of ``--units`` tiny ``nn.Linear(width, width)`` modules (each its own
 unit, the chain the root), batch 1, so what a step costs is almost only the FSDP runtime's host work. Four
