@@ -1,4 +1,4 @@
-"""Shared benchmark plumbing: the GPT and its variants, timing, tables (launching: tests/distributed/launch.py)."""
+"""Shared benchmark plumbing: models/gpt.py's GPT and its variants, timing, tables (launching: tests/distributed)."""
 
 from __future__ import annotations
 
