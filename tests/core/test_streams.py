@@ -557,12 +557,14 @@ def test_hsdp_with_a_reduce_dtype_other_than_the_param_dtype() -> None:
 
 
 # --- the library's runs are reported once an ordering is missing ---------------------------------------
-# Mutations through seams that do not depend on how CommContext is written: the simulated device's
-# waits and events, and the public set_post_optim_event. (Replacing one CommContext ordering at a time,
-# as review.md did by hand, is left until CommContext's rewrite lands.)
+# Mutations through the simulated device's waits and events, the public set_post_optim_event, and one
+# CommContext verb: the gathered buffer let go without the copy-in stream's wait on its copy-out (held
+# in forward, let go at once in backward: either way the next copy-in's allocation may take the block
+# while the copy-out on compute still reads it).
 @distributed(world_size=2)
 def _mutated(mutation: str) -> dict[str, Any]:
     saved = (SimStream.wait_event, SimStream.wait_stream, SimStream.record_event, SimEvent.synchronize)
+    release = streams.CommContext.release_all_gather_buffer
 
     def drops(wait: Callable[..., None], waiter: str) -> Callable[..., None]:
         def mutated(stream: SimStream, other: Any) -> None:
@@ -581,6 +583,9 @@ def _mutated(mutation: str) -> dict[str, Any]:
         SimStream.record_event = early  # type: ignore[method-assign]
     elif mutation == "no host sync":
         SimEvent.synchronize = lambda event: None  # type: ignore[method-assign]
+    elif mutation == "gathered buffer let go unwaited":
+        streams.CommContext.release_all_gather_buffer = (  # type: ignore[method-assign]
+            lambda ctx: setattr(ctx, "all_gather_state", None))
     try:
         if mutation == "post-optim event before the step":
             return _run(lambda m: _shard(m), loop=_post_optim_loop(early=True))
@@ -589,6 +594,7 @@ def _mutated(mutation: str) -> dict[str, Any]:
         return _run(lambda m: _shard(m, **policy), steps=1, offload=offload)
     finally:
         SimStream.wait_event, SimStream.wait_stream, SimStream.record_event, SimEvent.synchronize = saved  # type: ignore[method-assign]
+        streams.CommContext.release_all_gather_buffer = release  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("mutation, reported", [
@@ -597,6 +603,7 @@ def _mutated(mutation: str) -> dict[str, Any]:
     ("early events", "not waited"),
     ("no host sync", "on host"),  # CPU offload: the optimizer reads grads the D2H copies may still write
     ("post-optim event before the step", "all_gather_copy_in reads"),  # the copy-in reads shards mid-step
+    ("gathered buffer let go unwaited", "may still use it"),  # reallocated on the copy-in stream too early
 ])
 def test_a_missing_ordering_in_a_library_run_is_reported(mutation: str, reported: str) -> None:
     for r in _mutated(mutation):
