@@ -214,3 +214,26 @@ def test_mixed_precision_reduces_in_param_dtype_by_default_on_every_torch() -> N
                    "2.15 rule=False, reduce_dtype=torch.float32": ["torch.float32"],
                    "2.15 rule=True, reduce_dtype=None": ["torch.bfloat16"],
                    "2.15 rule=True, reduce_dtype=torch.float32": ["torch.float32"]}, got
+
+
+@distributed(world_size=2)
+def _clip_without_gradients() -> dict[str, Any]:
+    import warnings
+
+    model = FSDP(nn.Linear(24, 24))
+    model(torch.randn(4, 24))  # forward only: no gradient anywhere
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        total = model.clip_grad_norm_(1.0)
+    return {"messages": [str(w.message) for w in caught if issubclass(w.category, UserWarning)],
+            "dtype": total.dtype, "total": float(total), "rank": dist.get_rank()}
+
+
+def test_clip_grad_norm_without_gradients_warns_like_torch() -> None:
+    """torch's FSDP1 warns (and its test_fsdp_clip_grad_norm.test_no_gradients matches the words) when
+    clip_grad_norm_ finds no gradient on a rank, and returns a float32 zero."""
+    for r in _clip_without_gradients():
+        expected = (f"Called FSDP.clip_grad_norm_() on rank {r['rank']} with no gradients -- returning the total "
+                    "norm in the default dtype torch.float32")
+        assert expected in r["messages"], f"expected torch's warning {expected!r}, got {r['messages']}"
+        assert r["dtype"] == torch.float32 and r["total"] == 0.0, r

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
@@ -305,6 +306,9 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
         dtypes = [p.grad.dtype for p in params if p.grad is not None]
         if dtypes:
             total = total.to(functools.reduce(torch.promote_types, dtypes))
+        else:  # torch's words (its tests match them): generally a mistake, e.g. called before backward
+            warnings.warn(f"Called FSDP.clip_grad_norm_() on rank {self.rank} with no gradients -- returning the "
+                          f"total norm in the default dtype {total.dtype}", stacklevel=2)
         return total
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:  # type: ignore[override]
