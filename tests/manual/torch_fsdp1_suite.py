@@ -16,9 +16,13 @@ imported first by the test module itself, so the spawned ranks patch too). Both 
 rewritten copy of the file; every rewrite is printed:
 
 - device: ``"cuda"`` -> ``"cpu"``, ``.cuda()`` -> ``.cpu()``, ``torch.cuda.set_device(..)`` dropped,
-  ``backend="nccl"`` -> ``"gloo"`` (tests that hard-code CUDA only as a device string run on CPU);
+  ``torch.cuda.current_device()`` / ``torch.device(self.rank)`` -> cpu, DDP ``device_ids=[self.rank]`` ->
+  None, ``backend="nccl"`` -> ``"gloo"`` (tests that hard-code CUDA only as a device string run on CPU);
+- torch side only, on a machine with no accelerator: ``FullyShardedDataParallel(device_id=None)`` becomes
+  ``device_id=cpu`` (torch's FSDP1 otherwise refuses: "FSDP needs a non-CPU accelerator device");
 - names torch renamed since the stored copy (``CUDAInitMode`` -> ``DEVICEInitMode``,
-  ``cuda_init_mode`` -> ``device_init_mode``, ``_maybe_cuda``, ``_FSDPPolicy``) are aliased;
+  ``cuda_init_mode`` -> ``device_init_mode``, ``_maybe_cuda``, ``_FSDPPolicy``, ``_shard_utils.
+  _gather_state_dict``) are aliased;
 - ``--unskip``: ``skip_if_lt_x_gpu`` runs the test, one-line ``unittest.skipIf(...torch.cuda...)``
   decorators are dropped, and ``FSDPTest`` / ``FSDPTestContinuous`` spawn 2 gloo ranks on CPU (torch's
   harness otherwise skips every multi-rank test without 2 accelerators);
@@ -74,6 +78,31 @@ if not hasattr(_cf, "_maybe_cuda"):
     _cf._maybe_cuda = lambda model, move: _cf._move_to_device(model, move)
 if not hasattr(_wrap, "_FSDPPolicy") and hasattr(_wrap, "_Policy"):
     _wrap._FSDPPolicy = _wrap._Policy
+import torch.distributed._state_dict_utils as _sdu  # noqa: E402
+import torch.distributed.fsdp._shard_utils as _shard_utils  # noqa: E402
+
+if not hasattr(_shard_utils, "_gather_state_dict"):
+    _shard_utils._gather_state_dict = _sdu._gather_state_dict
+if not hasattr(_shard_utils, "_all_gather_sharded_tensor"):
+    def _all_gather_sharded_tensor(*args, **kwargs):
+        raise NotImplementedError("torch_fsdp1_suite: _all_gather_sharded_tensor is gone from torch")
+
+    _shard_utils._all_gather_sharded_tensor = _all_gather_sharded_tensor
+
+# torch's FSDP1 on a machine with no accelerator needs device_id=cpu (else "FSDP needs a non-CPU
+# accelerator device"): its tests pass a CUDA device or none, so the torch side defaults it to cpu
+if os.environ.get("FSUITE_SIDE") == "torch" and torch.accelerator.device_count() == 0:
+    from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
+
+    _torch_init = _TorchFSDP.__init__
+
+    @functools.wraps(_torch_init)
+    def _cpu_init(self, module, *args, **kwargs):
+        if len(args) < 9 and kwargs.get("device_id") is None:
+            kwargs["device_id"] = torch.device("cpu")
+        _torch_init(self, module, *args, **kwargs)
+
+    _TorchFSDP.__init__ = _cpu_init
 
 
 def _rewrite_classmethod(cls, name, old, new):
@@ -118,7 +147,11 @@ if os.environ.get("FSUITE_REAL_GROUPS") == "1":
 # (name, pattern, replacement, only with --unskip)
 REWRITES: list[tuple[str, str, str, bool]] = [
     ("device: torch.cuda.set_device(..) dropped", r"torch\.cuda\.set_device\([^()]*\)", "None", False),
-    ("device: torch.cuda.current_device() -> 0", r"torch\.cuda\.current_device\(\)", "0", False),
+    ("device: torch.device(\"cuda\", torch.cuda.current_device()) -> cpu",
+     r"torch\.device\([\"']cuda[\"'],\s*torch\.cuda\.current_device\(\)\)", 'torch.device("cpu")', False),
+    ("device: torch.cuda.current_device() -> cpu", r"torch\.cuda\.current_device\(\)", 'torch.device("cpu")', False),
+    ("device: torch.device(self.rank) -> cpu", r"torch\.device\(self\.rank\)", 'torch.device("cpu")', False),
+    ("device: DDP device_ids=[self.rank] -> None", r"device_ids=\[self\.rank\]", "device_ids=None", False),
     ("device: .cuda() -> .cpu()", r"\.cuda\(\)", ".cpu()", False),
     ("device: \"cuda\" -> \"cpu\"", r"([\"'])cuda\1", r"\1cpu\1", False),
     ("device: backend nccl -> gloo", r"([\"'])nccl\1", r"\1gloo\1", False),
