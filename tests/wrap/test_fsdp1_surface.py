@@ -174,6 +174,10 @@ def _torch_objects_and_offload() -> dict[str, Any]:
                   backward_prefetch=TBP.BACKWARD_POST)
     assert theirs.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP and isinstance(theirs.mixed_precision,
                                                                                      MixedPrecision)
+    # what torch's test_wrap checks on every wrapper: equal to the torch objects passed in
+    for unit in FSDP.fsdp_modules(theirs):
+        assert unit.cpu_offload == TCPUOffload(offload_params=True), unit.cpu_offload
+        assert unit.backward_prefetch == TBP.BACKWARD_POST, unit.backward_prefetch
     plain = FSDP(build_model(), sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, auto_wrap_policy=policy,
                  mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
     runs = [train(m, torch.optim.AdamW(m.parameters(), lr=1e-2), range(3))[0] for m in (mine, theirs, plain)]
@@ -237,3 +241,19 @@ def test_clip_grad_norm_without_gradients_warns_like_torch() -> None:
                     "norm in the default dtype torch.float32")
         assert expected in r["messages"], f"expected torch's warning {expected!r}, got {r['messages']}"
         assert r["dtype"] == torch.float32 and r["total"] == 0.0, r
+
+
+def test_torch_config_objects_equal_ours() -> None:
+    """A wrapper keeps this library's CPUOffload / BackwardPrefetch; they equal torch's of the same value
+    (FSDP1 code and torch's own tests compare a wrapper's attributes with torch's objects)."""
+    from torch.distributed.fsdp import BackwardPrefetch as TBP
+    from torch.distributed.fsdp import CPUOffload as TCPUOffload
+
+    from fully_shard import BackwardPrefetch
+
+    assert CPUOffload(offload_params=True) == TCPUOffload(offload_params=True)
+    assert TCPUOffload(offload_params=False) == CPUOffload(), "expected torch's CPUOffload() to equal ours"
+    assert CPUOffload() != TCPUOffload(offload_params=True) and CPUOffload() != "CPUOffload"
+    assert BackwardPrefetch.BACKWARD_POST == TBP.BACKWARD_POST and TBP.BACKWARD_PRE == BackwardPrefetch.BACKWARD_PRE
+    assert BackwardPrefetch.BACKWARD_POST != TBP.BACKWARD_PRE and BackwardPrefetch.BACKWARD_PRE != "BACKWARD_PRE"
+    assert len({BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST}) == 2
