@@ -203,3 +203,30 @@ def test_misuse_is_refused() -> None:
 
 def test_block_class_is_the_one_in_the_model() -> None:
     assert TransformerBlock in {type(m) for m in build_model().modules()}
+
+
+def test_dummy_process_group_without_a_default_group_is_refused_clearly() -> None:
+    """torch's FSDP1 tests (test_wrap's TestAutoWrap) pass a DummyProcessGroup with no default group at all:
+    the refusal must name it and the fix, not c10d's 'Default process group has not been initialized'. A
+    fresh interpreter, so that no default group of this session exists."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch.nn as nn\n"
+        "from fully_shard import FullyShardedDataParallel as FSDP\n"
+        "class DummyProcessGroup:\n"
+        "    def rank(self): return 0\n"
+        "    def size(self): return 1\n"
+        "    def __repr__(self): return 'DummyProcessGroup(rank=0, size=1)'\n"
+        "try:\n"
+        "    FSDP(nn.Linear(4, 4), process_group=DummyProcessGroup())\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+        "else:\n"
+        "    print('no error')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    message = out.stdout.strip()
+    assert "process_group must be a torch.distributed.ProcessGroup" in message and \
+        "DummyProcessGroup(rank=0, size=1)" in message and "Fix: pass dist.new_group" in message, \
+        f"expected our refusal naming the DummyProcessGroup and the fix, got {message!r} (stderr {out.stderr[-300:]!r})"

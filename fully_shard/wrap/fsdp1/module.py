@@ -36,7 +36,7 @@ from . import optim_state
 from . import state_dict as sd
 from .init import materialize, unit_modules
 from .init import sync_module_states as broadcast_module_states
-from .mesh import Placement, compute_device_type, resolve_placement
+from .mesh import Placement, check_group, compute_device_type, resolve_placement
 from .options import (
     BackwardPrefetch,
     CPUOffload,
@@ -100,6 +100,8 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
                              f"{type(param_init_fn).__name__}. Fix: e.g. param_init_fn=lambda m: m.to_empty("
                              "device=torch.device('cuda'), recurse=False).")
         ignored_mods, ignored_params = _resolve_ignored(module, ignored_modules, ignored_states)
+        if process_group is not None and not isinstance(process_group, tuple):
+            check_group(process_group, "process_group")  # before the default group is read (tests pass none)
         device_type = compute_device_type(device_id)
         placement = resolve_placement(strategy, process_group=process_group, device_mesh=device_mesh,
                                       device_type=device_type)
