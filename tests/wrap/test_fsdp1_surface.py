@@ -257,3 +257,38 @@ def test_torch_config_objects_equal_ours() -> None:
     assert BackwardPrefetch.BACKWARD_POST == TBP.BACKWARD_POST and TBP.BACKWARD_PRE == BackwardPrefetch.BACKWARD_PRE
     assert BackwardPrefetch.BACKWARD_POST != TBP.BACKWARD_PRE and BackwardPrefetch.BACKWARD_PRE != "BACKWARD_PRE"
     assert len({BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST}) == 2
+
+
+@distributed(world_size=2)
+def _assert_state_like_torch() -> dict[str, Any]:
+    from torch.distributed.fsdp._common_utils import TrainingState as TState
+
+    model = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    model(torch.randn(2, 4)).sum().backward()
+    out: dict[str, Any] = {}
+
+    def message(state: Any) -> str:
+        try:
+            model._assert_state(state)
+        except ValueError as e:
+            return str(e)
+        return "ok"
+
+    out["idle_after_step"] = message(TState.IDLE)
+    out["idle_in_list"] = message([TState.FORWARD_BACKWARD, TState.IDLE])
+    out["forward_backward_after_step"] = message(TState.FORWARD_BACKWARD)
+    with FSDP.summon_full_params(model):
+        out["summon_inside"] = message(TState.SUMMON_FULL_PARAMS)
+        out["idle_inside"] = message(TState.IDLE)
+    return out
+
+
+def test_assert_state_like_torch() -> None:
+    """torch's FSDP1 ``_assert_state`` (torch's common_fsdp calls it after every training step of its
+    parity tests): passes in the state named, else ValueError in torch's words."""
+    for r in _assert_state_like_torch():
+        assert r["idle_after_step"] == "ok" and r["idle_in_list"] == "ok" and r["summon_inside"] == "ok", r
+        assert r["forward_backward_after_step"].startswith("expected to be in states [<TrainingState."
+                                                           "FORWARD_BACKWARD") and \
+            r["forward_backward_after_step"].endswith("current state is TrainingState.IDLE"), r
+        assert r["idle_inside"].endswith("current state is TrainingState.SUMMON_FULL_PARAMS"), r

@@ -320,6 +320,22 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
             super().apply(fn)
         return self
 
+    def _assert_state(self, state: Any) -> None:
+        """torch's FSDP1 private check (torch's test helpers call it after a step): raise ValueError unless
+        this wrapper is in ``state`` (one of torch's ``TrainingState`` members, or a list of them), with
+        torch's words. IDLE between steps, SUMMON_FULL_PARAMS inside ``summon_full_params``, else
+        FORWARD_BACKWARD."""
+        wanted = list(state) if isinstance(state, (list, tuple)) else [state]
+        unit = self._state()
+        if self.__dict__.get("_fsdp1_summoning"):
+            current = "SUMMON_FULL_PARAMS"
+        elif unit.training_state is TrainingState.IDLE:
+            current = "IDLE"
+        else:
+            current = "FORWARD_BACKWARD"
+        if current not in {getattr(s, "name", s) for s in wanted}:
+            raise ValueError(f"expected to be in states {wanted} but current state is TrainingState.{current}")
+
     def _check_idle(self, what: str) -> None:
         for fqn, s in _states(self):
             if s.training_state is not TrainingState.IDLE:
