@@ -188,6 +188,8 @@ def coerce_config(value: Any, expected: type[T], what: str) -> T:
         return expected()
     names = {cls.__name__ for cls in type(value).__mro__}
     if type(value).__name__ != expected.__name__ or not names & {"StateDictConfig", "OptimStateDictConfig"}:
-        raise RuntimeError(f"{what}: expected a {expected.__name__} for this state_dict_type, got "
-                           f"{type(value).__name__}. Fix: pass {expected.__name__}(...) or None for the default.")
+        # torch's words first (its test_fsdp_state_dict matches them), then the fix
+        raise RuntimeError(f"Expected {what} of type {expected.__name__} but got {type(value).__name__}: "
+                           f"{what}: expected a {expected.__name__} for this state_dict_type. Fix: pass "
+                           f"{expected.__name__}(...) or None for the default.")
     return coerce(value, expected, what)
