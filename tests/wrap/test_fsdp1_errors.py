@@ -81,6 +81,10 @@ def _bad_construction() -> dict[str, tuple[str, bool]]:
     model = build_model()
     FSDP(model, auto_wrap_policy=partial(size_based_auto_wrap_policy, min_num_params=10**9))  # below the size: one unit
     out["twice"] = (_message(lambda: FSDP(model)), True)
+    model = build_model()
+    model.blocks[1] = FSDP(model.blocks[1])  # a unit inside, then auto-wrapping around it
+    out["auto_wrap_around_unit"] = (_message(lambda: FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))),
+                                    True)
     return out
 
 
@@ -102,6 +106,12 @@ def test_bad_construction_is_refused_and_leaves_the_model_unchanged() -> None:
     assert r["low_precision_grads"][0].startswith("NotImplementedError: MixedPrecision(keep_low_precision_grads=True)")
     assert "not both" in r["both_ignored"][0]
     assert "already sharded" in r["twice"][0]
+    # torch's own sentence (torch's test_wrap.py matches it with assertRaisesRegex), then our fix
+    wrapped = r["auto_wrap_around_unit"][0]
+    assert wrapped.startswith("ValueError"), wrapped
+    assert "FSDP auto wrapping requires modules to not already have FSDP applied but found blocks.1 in" in wrapped, \
+        wrapped
+    assert "Fix: drop auto_wrap_policy" in wrapped, wrapped
     assert "process_group must be a torch.distributed.ProcessGroup" in r["dummy_group"][0], r["dummy_group"]
     assert "DummyProcessGroup(rank=0, size=2)" in r["dummy_group"][0] and "Fix: pass dist.new_group" in \
         r["dummy_group"][0]
@@ -193,3 +203,30 @@ def test_misuse_is_refused() -> None:
 
 def test_block_class_is_the_one_in_the_model() -> None:
     assert TransformerBlock in {type(m) for m in build_model().modules()}
+
+
+def test_dummy_process_group_without_a_default_group_is_refused_clearly() -> None:
+    """torch's FSDP1 tests (test_wrap's TestAutoWrap) pass a DummyProcessGroup with no default group at all:
+    the refusal must name it and the fix, not c10d's 'Default process group has not been initialized'. A
+    fresh interpreter, so that no default group of this session exists."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch.nn as nn\n"
+        "from fully_shard import FullyShardedDataParallel as FSDP\n"
+        "class DummyProcessGroup:\n"
+        "    def rank(self): return 0\n"
+        "    def size(self): return 1\n"
+        "    def __repr__(self): return 'DummyProcessGroup(rank=0, size=1)'\n"
+        "try:\n"
+        "    FSDP(nn.Linear(4, 4), process_group=DummyProcessGroup())\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+        "else:\n"
+        "    print('no error')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    message = out.stdout.strip()
+    assert "process_group must be a torch.distributed.ProcessGroup" in message and \
+        "DummyProcessGroup(rank=0, size=1)" in message and "Fix: pass dist.new_group" in message, \
+        f"expected our refusal naming the DummyProcessGroup and the fix, got {message!r} (stderr {out.stderr[-300:]!r})"

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fully_shard import FullStateDictConfig, FullyShardedDataParallel, StateDictType
@@ -128,3 +129,23 @@ def test_full_state_dict_options() -> None:
     results = _full_options()
     assert results[0] == results[1] and results[0]["plain"]
     assert "blocks.0.qkv.weight" in results[0]["keys"] and not any("_fsdp_wrapped" in k for k in results[0]["keys"])
+
+
+@distributed(world_size=2)
+def _wrong_config_message() -> str:
+    from fully_shard import LocalStateDictConfig
+
+    model = FullyShardedDataParallel(nn.Linear(4, 4))
+    try:
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, LocalStateDictConfig()):
+            pass
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_wrong_state_dict_config_in_torchs_words() -> None:
+    """torch's test_fsdp_state_dict.test_wrong_state_dict_config matches 'Expected state_dict_config of type'."""
+    for message in _wrong_config_message():
+        assert message.startswith("Expected state_dict_config of type FullStateDictConfig but got "
+                                  "LocalStateDictConfig") and "Fix: pass FullStateDictConfig" in message, message

@@ -174,6 +174,10 @@ def _torch_objects_and_offload() -> dict[str, Any]:
                   backward_prefetch=TBP.BACKWARD_POST)
     assert theirs.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP and isinstance(theirs.mixed_precision,
                                                                                      MixedPrecision)
+    # what torch's test_wrap checks on every wrapper: equal to the torch objects passed in
+    for unit in FSDP.fsdp_modules(theirs):
+        assert unit.cpu_offload == TCPUOffload(offload_params=True), unit.cpu_offload
+        assert unit.backward_prefetch == TBP.BACKWARD_POST, unit.backward_prefetch
     plain = FSDP(build_model(), sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, auto_wrap_policy=policy,
                  mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
     runs = [train(m, torch.optim.AdamW(m.parameters(), lr=1e-2), range(3))[0] for m in (mine, theirs, plain)]
@@ -214,3 +218,77 @@ def test_mixed_precision_reduces_in_param_dtype_by_default_on_every_torch() -> N
                    "2.15 rule=False, reduce_dtype=torch.float32": ["torch.float32"],
                    "2.15 rule=True, reduce_dtype=None": ["torch.bfloat16"],
                    "2.15 rule=True, reduce_dtype=torch.float32": ["torch.float32"]}, got
+
+
+@distributed(world_size=2)
+def _clip_without_gradients() -> dict[str, Any]:
+    import warnings
+
+    model = FSDP(nn.Linear(24, 24))
+    model(torch.randn(4, 24))  # forward only: no gradient anywhere
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        total = model.clip_grad_norm_(1.0)
+    return {"messages": [str(w.message) for w in caught if issubclass(w.category, UserWarning)],
+            "dtype": total.dtype, "total": float(total), "rank": dist.get_rank()}
+
+
+def test_clip_grad_norm_without_gradients_warns_like_torch() -> None:
+    """torch's FSDP1 warns (and its test_fsdp_clip_grad_norm.test_no_gradients matches the words) when
+    clip_grad_norm_ finds no gradient on a rank, and returns a float32 zero."""
+    for r in _clip_without_gradients():
+        expected = (f"Called FSDP.clip_grad_norm_() on rank {r['rank']} with no gradients -- returning the total "
+                    "norm in the default dtype torch.float32")
+        assert expected in r["messages"], f"expected torch's warning {expected!r}, got {r['messages']}"
+        assert r["dtype"] == torch.float32 and r["total"] == 0.0, r
+
+
+def test_torch_config_objects_equal_ours() -> None:
+    """A wrapper keeps this library's CPUOffload / BackwardPrefetch; they equal torch's of the same value
+    (FSDP1 code and torch's own tests compare a wrapper's attributes with torch's objects)."""
+    from torch.distributed.fsdp import BackwardPrefetch as TBP
+    from torch.distributed.fsdp import CPUOffload as TCPUOffload
+
+    from fully_shard import BackwardPrefetch
+
+    assert CPUOffload(offload_params=True) == TCPUOffload(offload_params=True)
+    assert TCPUOffload(offload_params=False) == CPUOffload(), "expected torch's CPUOffload() to equal ours"
+    assert CPUOffload() != TCPUOffload(offload_params=True) and CPUOffload() != "CPUOffload"
+    assert BackwardPrefetch.BACKWARD_POST == TBP.BACKWARD_POST and TBP.BACKWARD_PRE == BackwardPrefetch.BACKWARD_PRE
+    assert BackwardPrefetch.BACKWARD_POST != TBP.BACKWARD_PRE and BackwardPrefetch.BACKWARD_PRE != "BACKWARD_PRE"
+    assert len({BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST}) == 2
+
+
+@distributed(world_size=2)
+def _assert_state_like_torch() -> dict[str, Any]:
+    from torch.distributed.fsdp._common_utils import TrainingState as TState
+
+    model = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    model(torch.randn(2, 4)).sum().backward()
+    out: dict[str, Any] = {}
+
+    def message(state: Any) -> str:
+        try:
+            model._assert_state(state)
+        except ValueError as e:
+            return str(e)
+        return "ok"
+
+    out["idle_after_step"] = message(TState.IDLE)
+    out["idle_in_list"] = message([TState.FORWARD_BACKWARD, TState.IDLE])
+    out["forward_backward_after_step"] = message(TState.FORWARD_BACKWARD)
+    with FSDP.summon_full_params(model):
+        out["summon_inside"] = message(TState.SUMMON_FULL_PARAMS)
+        out["idle_inside"] = message(TState.IDLE)
+    return out
+
+
+def test_assert_state_like_torch() -> None:
+    """torch's FSDP1 ``_assert_state`` (torch's common_fsdp calls it after every training step of its
+    parity tests): passes in the state named, else ValueError in torch's words."""
+    for r in _assert_state_like_torch():
+        assert r["idle_after_step"] == "ok" and r["idle_in_list"] == "ok" and r["summon_inside"] == "ok", r
+        assert r["forward_backward_after_step"].startswith("expected to be in states [<TrainingState."
+                                                           "FORWARD_BACKWARD") and \
+            r["forward_backward_after_step"].endswith("current state is TrainingState.IDLE"), r
+        assert r["idle_inside"].endswith("current state is TrainingState.SUMMON_FULL_PARAMS"), r

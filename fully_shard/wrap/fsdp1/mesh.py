@@ -92,7 +92,7 @@ def resolve_placement(strategy: ShardingStrategy, *, process_group: Any, device_
     return Placement(strategy, out_mesh, bool(kwargs["reshard_after_forward"]), shard_group, inter)
 
 
-def _check_group(group: Any, what: str) -> None:
+def check_group(group: Any, what: str) -> None:
     """``group`` is a c10d process group of this job: the units issue real collectives over it."""
     try:
         ok = isinstance(group, dist.ProcessGroup) and bool(dist.get_process_group_ranks(group))
@@ -112,15 +112,15 @@ def _mesh_of_groups(process_group: Any, hybrid: bool, device_type: str) -> Devic
         if isinstance(process_group, tuple):
             raise ValueError("FullyShardedDataParallel: a (intra_node, inter_node) process_group pair is for "
                              "HYBRID_SHARD/_HYBRID_SHARD_ZERO2. Fix: pass one ProcessGroup for this strategy.")
-        _check_group(process_group, "process_group")
+        check_group(process_group, "process_group")
         return DeviceMesh.from_group(process_group, device_type)
     if not (isinstance(process_group, tuple) and len(process_group) == 2):
         raise ValueError("FullyShardedDataParallel: a hybrid sharding strategy takes process_group=(intra_node_group, "
                          f"inter_node_group), got {process_group!r}. Fix: pass the pair, or "
                          "device_mesh=init_device_mesh(device, (num_nodes, ranks_per_node)).")
     intra, inter = process_group
-    _check_group(intra, "process_group[0] (the intra-node shard group)")
-    _check_group(inter, "process_group[1] (the inter-node replicate group)")
+    check_group(intra, "process_group[0] (the intra-node shard group)")
+    check_group(inter, "process_group[1] (the inter-node replicate group)")
 
     def make() -> DeviceMesh:
         world = dist.group.WORLD

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
@@ -35,7 +36,7 @@ from . import optim_state
 from . import state_dict as sd
 from .init import materialize, unit_modules
 from .init import sync_module_states as broadcast_module_states
-from .mesh import Placement, compute_device_type, resolve_placement
+from .mesh import Placement, check_group, compute_device_type, resolve_placement
 from .options import (
     BackwardPrefetch,
     CPUOffload,
@@ -99,6 +100,8 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
                              f"{type(param_init_fn).__name__}. Fix: e.g. param_init_fn=lambda m: m.to_empty("
                              "device=torch.device('cuda'), recurse=False).")
         ignored_mods, ignored_params = _resolve_ignored(module, ignored_modules, ignored_states)
+        if process_group is not None and not isinstance(process_group, tuple):
+            check_group(process_group, "process_group")  # before the default group is read (tests pass none)
         device_type = compute_device_type(device_id)
         placement = resolve_placement(strategy, process_group=process_group, device_mesh=device_mesh,
                                       device_type=device_type)
@@ -305,6 +308,9 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
         dtypes = [p.grad.dtype for p in params if p.grad is not None]
         if dtypes:
             total = total.to(functools.reduce(torch.promote_types, dtypes))
+        else:  # torch's words (its tests match them): generally a mistake, e.g. called before backward
+            warnings.warn(f"Called FSDP.clip_grad_norm_() on rank {self.rank} with no gradients -- returning the "
+                          f"total norm in the default dtype {total.dtype}", stacklevel=2)
         return total
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:  # type: ignore[override]
@@ -313,6 +319,22 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
         with summon([("", self._state())], writeback=True, rank0_only=False, offload_to_cpu=False, with_grads=False):
             super().apply(fn)
         return self
+
+    def _assert_state(self, state: Any) -> None:
+        """torch's FSDP1 private check (torch's test helpers call it after a step): raise ValueError unless
+        this wrapper is in ``state`` (one of torch's ``TrainingState`` members, or a list of them), with
+        torch's words. IDLE between steps, SUMMON_FULL_PARAMS inside ``summon_full_params``, else
+        FORWARD_BACKWARD."""
+        wanted = list(state) if isinstance(state, (list, tuple)) else [state]
+        unit = self._state()
+        if self.__dict__.get("_fsdp1_summoning"):
+            current = "SUMMON_FULL_PARAMS"
+        elif unit.training_state is TrainingState.IDLE:
+            current = "IDLE"
+        else:
+            current = "FORWARD_BACKWARD"
+        if current not in {getattr(s, "name", s) for s in wanted}:
+            raise ValueError(f"expected to be in states {wanted} but current state is TrainingState.{current}")
 
     def _check_idle(self, what: str) -> None:
         for fqn, s in _states(self):

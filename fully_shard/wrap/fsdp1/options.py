@@ -27,12 +27,28 @@ __all__ = ["BackwardPrefetch", "CPUOffload", "FullOptimStateDictConfig", "FullSt
 _BatchNorm: type = getattr(nn.modules.batchnorm, "_BatchNorm", nn.BatchNorm1d)
 
 
+def _torch_twin(ours: object, other: object) -> bool:
+    """``other`` is torch's FSDP1 object of the same name (``torch.distributed.fsdp``'s): a wrapper keeps
+    this module's objects, and FSDP1 code compares them with torch's (torch's test_wrap:
+    ``model.cpu_offload == CPUOffload(...)``, ``model.backward_prefetch == BackwardPrefetch.BACKWARD_POST``)."""
+    kind = type(other)
+    return kind.__name__ == type(ours).__name__ and kind.__module__.startswith("torch.distributed.fsdp")
+
+
 class BackwardPrefetch(enum.Enum):
     """When FSDP1 issues the next unit's all-gather in backward. A scheduling hint here: every unit's
-    backward all-gather is prefetched one unit ahead (as ``BACKWARD_PRE``) whatever the value."""
+    backward all-gather is prefetched one unit ahead (as ``BACKWARD_PRE``) whatever the value. A member
+    equals torch's member of the same name."""
 
     BACKWARD_PRE = enum.auto()
     BACKWARD_POST = enum.auto()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, enum.Enum) and _torch_twin(self, other):
+            return self.name == other.name
+        return self is other
+
+    __hash__ = enum.Enum.__hash__
 
 
 class StateDictType(enum.Enum):
@@ -73,9 +89,15 @@ def fsdp1_reduce_dtype(mp: MixedPrecision | None) -> torch.dtype | None:
 
 @dataclass
 class CPUOffload:
-    """``offload_params=True``: sharded parameters, gradients and optimizer state live on the CPU."""
+    """``offload_params=True``: sharded parameters, gradients and optimizer state live on the CPU. Equals
+    torch's ``CPUOffload`` of the same ``offload_params``."""
 
     offload_params: bool = False
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is CPUOffload or _torch_twin(self, other):
+            return bool(self.offload_params == getattr(other, "offload_params", None))
+        return NotImplemented
 
 
 @dataclass
@@ -166,6 +188,8 @@ def coerce_config(value: Any, expected: type[T], what: str) -> T:
         return expected()
     names = {cls.__name__ for cls in type(value).__mro__}
     if type(value).__name__ != expected.__name__ or not names & {"StateDictConfig", "OptimStateDictConfig"}:
-        raise RuntimeError(f"{what}: expected a {expected.__name__} for this state_dict_type, got "
-                           f"{type(value).__name__}. Fix: pass {expected.__name__}(...) or None for the default.")
+        # torch's words first (its test_fsdp_state_dict matches them), then the fix
+        raise RuntimeError(f"Expected {what} of type {expected.__name__} but got {type(value).__name__}: "
+                           f"{what}: expected a {expected.__name__} for this state_dict_type. Fix: pass "
+                           f"{expected.__name__}(...) or None for the default.")
     return coerce(value, expected, what)

@@ -149,9 +149,12 @@ def wrap_targets(root: nn.Module, policy: Any, *, ignored_modules: set[nn.Module
     """
     for name, m in root.named_modules():
         if m is not root and is_wrapped(m):
-            raise ValueError(f"FullyShardedDataParallel(auto_wrap_policy=...): {name!r} is already wrapped. FSDP1 "
-                             "auto-wrapping needs a model with no unit inside. Fix: drop auto_wrap_policy and wrap "
-                             "the remaining modules by hand, or auto-wrap the unwrapped model.")
+            # torch's own sentence first (code and torch's tests match it), then what to do
+            raise ValueError(f"FullyShardedDataParallel(auto_wrap_policy=...): FSDP auto wrapping requires modules "
+                             f"to not already have FSDP applied but found {name} in {type(root).__name__}: "
+                             f"{name!r} is already wrapped. FSDP1 auto-wrapping needs a model with no unit inside. "
+                             "Fix: drop auto_wrap_policy and wrap the remaining modules by hand, or auto-wrap the "
+                             "unwrapped model.")
     overrides: dict[int, dict[str, Any]] = {}
     if hasattr(policy, "_run_policy"):  # torch's _Policy objects and ours
         chosen = policy._run_policy(root, ignored_modules, dict(root_kwargs))
