@@ -259,7 +259,10 @@ class Reducer:
         may issue collectives, so ``ReduceQueue`` calls it at a point every rank agrees on."""
         if not self.pending:
             return
-        if not self.pending[-1].reduce_scatter.waited:  # (settled already where the CPU budget said so)
+        # (settled already where the CPU budget said so; on CPU the host waited for an HSDP reduce-scatter
+        # before issuing its all-reduce, which may still be in flight: its output is assigned below)
+        if any(not item.reduce_scatter.waited or (item.all_reduce is not None and not item.all_reduce.waited)
+               for item in self.pending):
             self.settle()
         hook = self.settings.all_reduce_hook
         for item in self.pending:
