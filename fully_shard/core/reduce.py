@@ -261,9 +261,11 @@ class Reducer:
             return
         # (settled already where the CPU budget said so; on CPU the host waited for an HSDP reduce-scatter
         # before issuing its all-reduce, which may still be in flight: its output is assigned below)
-        if any(not item.reduce_scatter.waited or (item.all_reduce is not None and not item.all_reduce.waited)
-               for item in self.pending):
-            self.settle()
+        # (a loop, not any(<generator>): no Python call added on the post-backward path, test_reduce_plan)
+        for item in self.pending:
+            if not item.reduce_scatter.waited or (item.all_reduce is not None and not item.all_reduce.waited):
+                self.settle()
+                break
         hook = self.settings.all_reduce_hook
         for item in self.pending:
             ctx = item.ctx
