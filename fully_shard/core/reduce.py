@@ -259,8 +259,13 @@ class Reducer:
         may issue collectives, so ``ReduceQueue`` calls it at a point every rank agrees on."""
         if not self.pending:
             return
-        if not self.pending[-1].reduce_scatter.waited:  # (settled already where the CPU budget said so)
-            self.settle()
+        # (settled already where the CPU budget said so; on CPU the host waited for an HSDP reduce-scatter
+        # before issuing its all-reduce, which may still be in flight: its output is assigned below)
+        # (a loop, not any(<generator>): no Python call added on the post-backward path, test_reduce_plan)
+        for item in self.pending:
+            if not item.reduce_scatter.waited or (item.all_reduce is not None and not item.all_reduce.waited):
+                self.settle()
+                break
         hook = self.settings.all_reduce_hook
         for item in self.pending:
             ctx = item.ctx
