@@ -1,4 +1,4 @@
-"""NO_SHARD (an HSDP (W, 1) mesh) on CPU: the replicas' all-reduce of each reduced gradient must be waited
+"""Reducer.finish on CPU, seen through FSDP1's NO_SHARD (an HSDP (W, 1) mesh): the replicas' all-reduce of each reduced gradient must be waited
 before the gradient is assigned. The host waits for the reduce-scatter before issuing the all-reduce, and
 ``Reducer.finish`` used to settle only when the last reduce-scatter was unwaited, so where the CPU budget
 deferred the wait (activations far above the gradients) the gradient was read while its all-reduce was
