@@ -1,10 +1,10 @@
-"""Reducer.finish on CPU, seen through FSDP1's NO_SHARD (an HSDP (W, 1) mesh): the replicas' all-reduce of each reduced gradient must be waited
-before the gradient is assigned. The host waits for the reduce-scatter before issuing the all-reduce, and
-``Reducer.finish`` used to settle only when the last reduce-scatter was unwaited, so where the CPU budget
-deferred the wait (activations far above the gradients) the gradient was read while its all-reduce was
-in flight: torch's test_fsdp_grad_acc (NO_SHARD) found gradients differing across ranks. The all-reduce
-here only runs when waited (a lazy work handle), so a gradient assigned without the wait is this rank's
-own, unreduced one."""
+"""Reducer.finish on CPU, seen through FSDP1's NO_SHARD (an HSDP (W, 1) mesh): the replicas' all-reduce of each
+reduced gradient must be waited before the gradient is assigned. The host waits for the reduce-scatter before
+issuing the all-reduce, and ``Reducer.finish`` used to settle only when the last reduce-scatter was unwaited,
+so where the CPU budget deferred the wait (activations far above the gradients) the gradient was read while
+its all-reduce was in flight: torch's test_fsdp_grad_acc (NO_SHARD) found gradients differing across ranks.
+The all-reduce here only runs when waited (a lazy work handle), so a gradient assigned without the wait is
+this rank's own, unreduced one."""
 from __future__ import annotations
 
 import copy
