@@ -21,7 +21,7 @@ from ...core.policy import ShardingStrategy
 from ...parallel.mesh import default_device_type, mesh_once
 from ..strategy import strategy_kwargs
 
-__all__ = ["Placement", "compute_device_type", "resolve_placement"]
+__all__ = ["Placement", "check_group", "compute_device_type", "resolve_placement"]
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
@@ -112,8 +112,7 @@ def _mesh_of_groups(process_group: Any, hybrid: bool, device_type: str) -> Devic
         if isinstance(process_group, tuple):
             raise ValueError("FullyShardedDataParallel: a (intra_node, inter_node) process_group pair is for "
                              "HYBRID_SHARD/_HYBRID_SHARD_ZERO2. Fix: pass one ProcessGroup for this strategy.")
-        check_group(process_group, "process_group")
-        return DeviceMesh.from_group(process_group, device_type)
+        return DeviceMesh.from_group(process_group, device_type)  # (checked by the class: check_group)
     if not (isinstance(process_group, tuple) and len(process_group) == 2):
         raise ValueError("FullyShardedDataParallel: a hybrid sharding strategy takes process_group=(intra_node_group, "
                          f"inter_node_group), got {process_group!r}. Fix: pass the pair, or "
